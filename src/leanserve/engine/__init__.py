@@ -1,0 +1,1 @@
+"""The executor: scheduler, KV cache, model runner, sampler and the loop that drives them."""

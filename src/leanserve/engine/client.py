@@ -1,0 +1,111 @@
+"""Clients of the engine core: turn per-iteration StepOutputs into per-request event streams.
+
+``demux`` is shared by the in-process client (offline API, tests) and the API process's client
+(server), so both read the engine's batched output the same way.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+
+from .core import EngineCore, EngineLoop
+from .params import SamplingParams
+from .request import FinishReason, StepOutput
+
+
+@dataclass
+class TokenEvent:
+    token_id: int  # -1: no token (abort / error)
+    finish_reason: FinishReason
+    num_cached_tokens: int = 0
+    logprob: float | None = None
+    top: list[tuple[int, float]] | None = None  # (token id, logprob), best first
+    prompt_logprobs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    error: str | None = None
+
+
+def demux(out: StepOutput) -> Iterator[tuple[int, TokenEvent]]:
+    ids, toks, reasons, cached = out.arrays()
+    lps = np.frombuffer(out.logprobs, np.float32) if out.logprobs is not None else None
+    k = out.top_k
+    top_ids = np.frombuffer(out.top_ids, np.int32).reshape(-1, k) if k else None
+    top_lps = np.frombuffer(out.top_logprobs, np.float32).reshape(-1, k) if k else None
+    for i, rid in enumerate(ids.tolist()):
+        ev = TokenEvent(int(toks[i]), FinishReason(int(reasons[i])), int(cached[i]))
+        if lps is not None:
+            ev.logprob = float(lps[i])
+            if k:
+                ev.top = list(zip(top_ids[i].tolist(), top_lps[i].tolist()))
+        if rid in out.prompt_logprobs:
+            lp, pid, plp, pk = out.prompt_logprobs[rid]
+            ev.prompt_logprobs = (np.frombuffer(lp, np.float32), np.frombuffer(pid, np.int32).reshape(-1, pk),
+                                  np.frombuffer(plp, np.float32).reshape(-1, pk))
+        if rid in out.errors:
+            ev.error = out.errors[rid]
+        yield rid, ev
+
+
+class RequestStream:
+    """Events of one engine request (one sample), in order; ends with a finishing event."""
+
+    def __init__(self, request_id: int):
+        self.request_id = request_id
+        self.queue: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        while True:
+            ev = self.queue.get()
+            yield ev
+            if ev.finish_reason != FinishReason.NONE:
+                return
+
+
+class InprocClient:
+    """The engine loop in a thread of this process (offline API and tests)."""
+
+    def __init__(self, core: EngineCore):
+        self.core = core
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._streams: dict[int, RequestStream] = {}
+        self._loop = EngineLoop(core, self._dispatch).start()
+
+    def submit(self, prompt: np.ndarray, params: SamplingParams) -> list[RequestStream]:
+        with self._lock:
+            base = next(self._ids)
+            for _ in range(params.n - 1):
+                next(self._ids)
+            streams = [RequestStream(base + i) for i in range(params.n)]
+            for s in streams:
+                self._streams[s.request_id] = s
+        try:
+            self.core.add_request(base, prompt, params)
+        except ValueError:
+            with self._lock:
+                for s in streams:
+                    del self._streams[s.request_id]
+            raise
+        return streams
+
+    def abort(self, request_ids) -> None:
+        self.core.abort(request_ids)
+
+    def _dispatch(self, out: StepOutput) -> None:
+        streams = self._streams
+        for rid, ev in demux(out):
+            s = streams.get(rid)
+            if s is None:
+                continue
+            s.queue.put(ev)
+            if ev.finish_reason != FinishReason.NONE:
+                with self._lock:
+                    del streams[rid]
+
+    def shutdown(self) -> None:
+        self._loop.stop()

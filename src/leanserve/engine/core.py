@@ -1,0 +1,276 @@
+"""The engine core: the executor loop, one iteration per ``step()``.
+
+An iteration:
+  1. fetch   - drain the inbox: new requests (at most ``max_new_requests_per_step``) and aborts;
+  2. schedule - running requests first, then chunked prefill of waiting ones, under the token
+                budget; allocate KV blocks, preempting the newest request if the pool is dry;
+  3. prepare - build the model input from the persistent batch arrays;
+  4. forward + sample - one call to the model runner;
+  5. output  - append tokens, check stops, free finished requests, emit one StepOutput.
+
+``add_request`` and ``abort`` only append to a deque (O(1), thread-safe, never waits on the
+loop); validation is O(1) in the prompt length. A failing iteration fails the requests in it,
+never the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import traceback
+from collections import deque
+from typing import Callable
+
+import numpy as np
+import torch
+
+from ..model.loader import load_model
+from ..model.transformer import Transformer
+from .batch_state import BatchState
+from .config import EngineConfig, available_memory_bytes
+from .kv_cache import KVCache
+from .model_runner import ModelRunner, build_model_input
+from .params import SamplingParams
+from .request import FinishReason, Request, StepOutput
+from .scheduler import ScheduledBatch, Scheduler
+from .stats import IterationStats
+
+log = logging.getLogger("leanserve.engine")
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, model: Transformer | None = None, eos_token_ids=None):
+        config.validate()
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        self.config = config
+        self.model = model if model is not None else load_model(config.model, config.dtype, config.device)
+        mcfg = self.model.config
+        self.vocab_size = mcfg.vocab_size
+        self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
+        self.eos_token_ids = sorted(set(mcfg.eos_token_ids) | set(eos_token_ids or ()))
+        self._eos = np.asarray(self.eos_token_ids, np.int32)
+
+        dtype = self.model.embed_tokens.weight.dtype
+        bs = config.block_size
+        per_block = KVCache.bytes_per_block(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, bs, dtype)
+        if config.kv_cache_memory is not None:
+            num_blocks = config.kv_cache_memory // per_block
+        else:
+            budget = int(config.kv_cache_fraction * available_memory_bytes(config.device))
+            enough = config.max_num_seqs * -(-self.max_model_len // bs) + 1
+            num_blocks = min(budget // per_block, enough)
+        self.kv = KVCache(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, int(num_blocks), bs, dtype,
+                          config.device)
+        self.batch = BatchState(config.max_num_seqs, self.max_model_len, bs)
+        self.scheduler = Scheduler(self.batch, self.kv.pool, config.max_num_batched_tokens,
+                                   config.enable_prefix_caching)
+        self.runner = ModelRunner(self.model, self.kv, config.device, config.seed)
+        self.stats = IterationStats(config.stats_capacity)
+
+        self.requests: dict[int, Request] = {}
+        self.generators: dict[int, torch.Generator] = {}
+        self._inbox: deque = deque()
+        self.wakeup = threading.Event()
+        # Counters read by the metrics exporter.
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.queue_times: deque[float] = deque(maxlen=65536)  # seconds, per first admission
+
+    # ------------------------------------------------------------------ boundary (any thread)
+    def add_request(self, request_id: int, prompt: np.ndarray, params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
+        """Enqueues a request; samples of ``n > 1`` get ids ``request_id .. request_id + n - 1``.
+
+        ``prompt`` should be an int32 numpy array: it is held as is, never copied.
+        Raises ValueError naming the field; nothing is enqueued then.
+        """
+        if not isinstance(prompt, np.ndarray) or prompt.dtype != np.int32 or prompt.ndim != 1:
+            raise ValueError("prompt: must be a 1-D int32 numpy array of token ids")
+        if len(prompt) == 0:
+            raise ValueError("prompt: is empty")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(prompt)} tokens leave no room to generate within max_model_len={self.max_model_len}"
+            )
+        params.validate(self.vocab_size, self.config.max_logprobs)
+        if len(prompt) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_tokens: {params.max_tokens} + {len(prompt)} prompt tokens exceeds "
+                f"max_model_len={self.max_model_len}"
+            )
+        self._inbox.append((request_id, prompt, params, arrival_time or time.monotonic()))
+        self.wakeup.set()
+
+    def abort(self, request_ids) -> None:
+        self._inbox.append((None, list(request_ids), None, None))
+        self.wakeup.set()
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._inbox) or bool(self.scheduler.running) or bool(self.scheduler.waiting)
+
+    # ------------------------------------------------------------------ the loop body
+    def step(self, emit: Callable[[StepOutput], None]) -> bool:
+        """Runs one iteration and emits its output. Returns False when there was nothing to run."""
+        t0 = time.perf_counter()
+        aborted = self._fetch()
+        if aborted:
+            emit(self._finished_output(aborted, FinishReason.ABORT))
+        t1 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        t2 = time.perf_counter()
+        if sched.empty:
+            return bool(aborted)
+        forward_ms = sample_ms = 0.0
+        try:
+            inp = build_model_input(self.batch, sched, self.generators, self.eos_token_ids)
+            t3 = time.perf_counter()
+            out = self.runner.execute(inp)
+            forward_ms, sample_ms = out.forward_ms, out.sample_ms
+            t4 = time.perf_counter()
+            step_out = self._update(sched, inp, out)
+        except Exception:  # noqa: BLE001 - one bad iteration must not kill the loop
+            log.error("iteration failed; failing its requests:\n%s", traceback.format_exc())
+            t3 = t4 = time.perf_counter()
+            step_out = self._fail(sched, traceback.format_exc(limit=1).strip().splitlines()[-1])
+        emit(step_out)
+        t5 = time.perf_counter()
+        self.stats.record((
+            (t5 - t0) * 1e3, forward_ms, (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3, sample_ms,
+            (t5 - t4) * 1e3, sched.num_prefill_tokens, len(sched.decode_slots), len(self.scheduler.running),
+            len(self.scheduler.waiting), self.kv.pool.num_used, len(sched.preempted),
+        ))
+        return True
+
+    def _fetch(self) -> list[int]:
+        aborted = []
+        added = 0
+        inbox = self._inbox
+        while inbox:
+            request_id, payload, params, arrival = inbox[0]
+            if request_id is not None and added >= self.config.max_new_requests_per_step:
+                break
+            inbox.popleft()
+            if request_id is None:
+                for rid in payload:
+                    req = self.requests.pop(rid, None)
+                    if req is not None:
+                        self.scheduler.finish(req)
+                        self.generators.pop(rid, None)
+                        aborted.append(rid)
+                continue
+            added += 1
+            first = None
+            for i in range(params.n):
+                seed = None if params.seed is None else params.seed + i
+                req = Request(request_id + i, payload, params, seed, prefix_parent=first, arrival_time=arrival)
+                first = first or req
+                if seed is not None:
+                    self.generators[req.request_id] = torch.Generator(self.runner.device).manual_seed(
+                        seed % 2**64)
+                self.requests[req.request_id] = req
+                self.scheduler.add(req)
+        return aborted
+
+    def _update(self, sched: ScheduledBatch, inp, out) -> StepOutput:
+        b, sch, bs = self.batch, self.scheduler, self.batch.block_size
+        d = sched.decode_slots
+        # 1. computed counters and newly full blocks (registered in the prefix cache)
+        if len(d):
+            new = b.num_computed[d] + 1
+            b.num_computed[d] = new
+            for s in d[new % bs == 0]:
+                sch.register_full_blocks(b.requests[s], int(b.num_computed[s]) - 1, int(b.num_computed[s]))
+        for req, start, n in sched.prefills:
+            b.num_computed[req.slot] = start + n
+            sch.register_full_blocks(req, start, start + n)
+            if start == req.num_cached_tokens and req.num_preemptions == 0:
+                self.queue_times.append(req.first_scheduled_time - req.arrival_time)
+            self.prompt_tokens_total += n
+        # 2. sampled tokens
+        ss = inp.sample_slots
+        tokens = out.sampled.token_ids.numpy().astype(np.int32)
+        n_out = b.num_tokens[ss] - b.num_prompt[ss]
+        b.out_tokens[ss, n_out] = tokens
+        b.num_tokens[ss] += 1
+        b.last_token[ss] = tokens
+        self.generation_tokens_total += len(ss)
+        # 3. stop checks, vectorised
+        stop = np.isin(tokens, self._eos) & ~b.ignore_eos[ss]
+        stop |= (b.stop_ids[ss] == tokens[:, None]).any(axis=1)
+        length = (b.num_tokens[ss] >= b.max_total[ss]) | (b.num_tokens[ss] >= self.max_model_len)
+        reasons = np.where(stop, FinishReason.STOP, np.where(length, FinishReason.LENGTH, 0)).astype(np.int8)
+        request_ids = b.request_id[ss].copy()
+        cached = np.fromiter((b.requests[s].num_cached_tokens for s in ss), np.int32, len(ss))
+        done = reasons != 0
+        if done.any():
+            for req in sch.finish_slots(ss[done]):
+                del self.requests[req.request_id]
+                self.generators.pop(req.request_id, None)
+        step_out = StepOutput(request_ids.tobytes(), tokens.tobytes(), reasons.tobytes(), cached.tobytes())
+        sampled = out.sampled
+        if sampled.logprobs is not None:
+            step_out.logprobs = sampled.logprobs.numpy().astype(np.float32).tobytes()
+            if sampled.top_ids is not None:
+                step_out.top_k = sampled.top_ids.shape[1]
+                step_out.top_ids = sampled.top_ids.numpy().astype(np.int32).tobytes()
+                step_out.top_logprobs = sampled.top_logprobs.numpy().astype(np.float32).tobytes()
+        if out.prompt_logprobs:
+            step_out.prompt_logprobs = {
+                rid: (lp.tobytes(), ids.tobytes(), tlp.tobytes(), ids.shape[1])
+                for rid, (lp, ids, tlp) in out.prompt_logprobs.items()
+            }
+        return step_out
+
+    @staticmethod
+    def _finished_output(ids: list[int], reason: FinishReason) -> StepOutput:
+        """Rows that end requests without a token (aborts, failures)."""
+        k = len(ids)
+        return StepOutput(
+            np.asarray(ids, np.int64).tobytes(), np.full(k, -1, np.int32).tobytes(),
+            np.full(k, reason, np.int8).tobytes(), np.zeros(k, np.int32).tobytes(),
+        )
+
+    def _fail(self, sched: ScheduledBatch, error: str) -> StepOutput:
+        reqs = [self.batch.requests[s] for s in sched.decode_slots] + [r for r, _, _ in sched.prefills]
+        for req in reqs:
+            self.scheduler.finish(req)
+            self.requests.pop(req.request_id, None)
+            self.generators.pop(req.request_id, None)
+        failed = [r.request_id for r in reqs]
+        out = self._finished_output(failed, FinishReason.ERROR)
+        out.errors = {rid: error for rid in failed}
+        return out
+
+
+class EngineLoop:
+    """Runs an EngineCore in a thread: iterate while there is work, sleep on an event otherwise."""
+
+    def __init__(self, core: EngineCore, emit: Callable[[StepOutput], None]):
+        self.core = core
+        self.emit = emit
+        self._stop = False
+        self.thread = threading.Thread(target=self._run, name="leanserve-engine", daemon=True)
+
+    def start(self) -> "EngineLoop":
+        self.thread.start()
+        return self
+
+    def _run(self) -> None:
+        core = self.core
+        while not self._stop:
+            if not core.has_work:
+                core.wakeup.wait(0.1)
+                core.wakeup.clear()
+                continue
+            if not core.step(self.emit):
+                # Work exists but none is runnable now (e.g. waiting for blocks): yield briefly.
+                core.wakeup.wait(0.001)
+                core.wakeup.clear()
+
+    def stop(self) -> None:
+        self._stop = True
+        self.core.wakeup.set()
+        self.thread.join(timeout=5)

@@ -1,0 +1,191 @@
+"""The executor interface: one call per step, ``ModelRunner.execute(ModelInput) -> ModelOutput``.
+
+``ModelInput`` is plain numpy arrays (plus the sampling metadata), everything the forward and
+the sampler need and nothing else, so the same call can run in-process or be broadcast to
+worker ranks for tensor parallelism. Building it (``build_model_input``) is the engine's job and
+reads only the persistent batch arrays: decode rows are gathered with a few vectorised numpy
+ops; each prefill chunk is one slice.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..model.attention import AttentionMetadata
+from ..model.transformer import Transformer
+from .batch_state import BatchState
+from .kv_cache import KVCache
+from .sampler import Sampler, SamplerOutput, SamplingMetadata
+from .scheduler import ScheduledBatch
+
+
+@dataclass
+class ModelInput:
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    slot_mapping: np.ndarray  # [T] int64
+    decode_block_table: np.ndarray  # [D, max_blocks] int64
+    decode_seq_lens: np.ndarray  # [D] int64
+    prefills: list[tuple[int, int, int, np.ndarray]]  # (row start, length, context_len, block ids)
+    logits_indices: np.ndarray  # [R] rows that sample, decode rows first
+    sample_slots: np.ndarray  # [R] batch slot of each sampling row
+    sampling: SamplingMetadata
+    # prompt logprobs: (request id, first row, targets) -> logprob of each next prompt token
+    prompt_logprob_rows: list[tuple[int, int, np.ndarray, int]] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+
+@dataclass
+class ModelOutput:
+    sampled: SamplerOutput
+    forward_ms: float
+    sample_ms: float
+    prompt_logprobs: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)
+
+
+def build_model_input(
+    b: BatchState,
+    sched: ScheduledBatch,
+    generators: dict[int, torch.Generator],
+    eos_ids: list[int],
+) -> ModelInput:
+    bs = b.block_size
+    d = sched.decode_slots
+    num_d = len(d)
+    total = num_d + sched.num_prefill_tokens
+    input_ids = np.empty(total, np.int64)
+    positions = np.empty(total, np.int64)
+
+    # Decode rows: all vectorised.
+    pos_d = b.num_computed[d]
+    input_ids[:num_d] = b.last_token[d]
+    positions[:num_d] = pos_d
+    seq_lens = pos_d + 1
+    width = int(-(-seq_lens.max() // bs)) if num_d else 0
+    decode_bt = b.block_table[d, :width]
+
+    # Prefill chunks: one slice each.
+    prefills = []
+    sample_rows = [np.arange(num_d)]
+    sample_slots = [d]
+    prompt_lp_rows = []
+    row = num_d
+    chunk_slots = []
+    for req, start, n in sched.prefills:
+        s = req.slot
+        end = start + n
+        input_ids[row : row + n] = b.tokens(req, start, end)
+        positions[row : row + n] = np.arange(start, end)
+        prefills.append((row, n, end, b.block_table[s, : -(-end // bs)]))
+        if req.params.prompt_logprobs is not None:
+            last = min(end, req.num_prompt_tokens - 1)  # positions that predict a prompt token
+            if last > start:
+                targets = np.asarray(req.prompt[start + 1 : last + 1], np.int64)
+                prompt_lp_rows.append((req.request_id, row, targets, req.params.prompt_logprobs))
+        if end == b.num_tokens[s]:
+            sample_rows.append(np.array([row + n - 1]))
+            chunk_slots.append(s)
+        row += n
+    if chunk_slots:
+        sample_slots.append(np.asarray(chunk_slots, np.int64))
+    sample_slots = np.concatenate(sample_slots)
+    slot_of_row = np.concatenate([d] + [np.full(n, req.slot) for req, _, n in sched.prefills]) if sched.prefills else d
+    slot_mapping = b.block_table[slot_of_row, positions // bs] * bs + positions % bs
+    return ModelInput(
+        input_ids=input_ids,
+        positions=positions,
+        slot_mapping=slot_mapping,
+        decode_block_table=decode_bt,
+        decode_seq_lens=seq_lens,
+        prefills=prefills,
+        logits_indices=np.concatenate(sample_rows),
+        sample_slots=sample_slots,
+        sampling=_sampling_metadata(b, sample_slots, generators, eos_ids),
+        prompt_logprob_rows=prompt_lp_rows,
+    )
+
+
+def _sampling_metadata(b: BatchState, slots: np.ndarray, generators, eos_ids) -> SamplingMetadata:
+    temp = b.temperature[slots]
+    top_k, top_p, min_p = b.top_k[slots], b.top_p[slots], b.min_p[slots]
+    random_rows = temp > 0
+    meta = SamplingMetadata(
+        temperature=torch.from_numpy(temp),
+        top_k=torch.from_numpy(top_k),
+        top_p=torch.from_numpy(top_p),
+        min_p=torch.from_numpy(min_p),
+        all_greedy=not random_rows.any(),
+        any_top_k=bool((random_rows & (top_k > 0)).any()),
+        any_top_p=bool((random_rows & (top_p < 1)).any()),
+        any_min_p=bool((random_rows & (min_p > 0)).any()),
+        max_num_logprobs=int(b.num_logprobs[slots].max()) if len(slots) else -1,
+    )
+    if b.seeded[slots].any():
+        for row in np.flatnonzero(b.seeded[slots]):
+            meta.generators[int(row)] = generators[int(b.request_id[slots[row]])]
+    penalized = (b.repetition_penalty[slots] != 1) | (b.presence_penalty[slots] != 0) | (b.frequency_penalty[slots] != 0)
+    for row in np.flatnonzero(penalized):
+        s = slots[row]
+        req = b.requests[s]
+        meta.penalties.append((
+            int(row), torch.from_numpy(req.prompt.astype(np.int64)), torch.from_numpy(b.output_tokens(s).astype(np.int64)),
+            float(b.repetition_penalty[s]), float(b.presence_penalty[s]), float(b.frequency_penalty[s]),
+        ))
+    under_min = b.num_tokens[slots] < b.min_total[slots]
+    for row in np.flatnonzero(under_min):
+        s = slots[row]
+        stops = [int(t) for t in b.stop_ids[s] if t >= 0]
+        meta.banned.append((int(row), stops + ([] if b.ignore_eos[s] else eos_ids)))
+    return meta
+
+
+class ModelRunner:
+    def __init__(self, model: Transformer, kv_cache: KVCache, device="cpu", seed: int | None = None):
+        self.model = model
+        self.kv = kv_cache
+        self.device = torch.device(device)
+        self.sampler = Sampler(self.device, seed)
+
+    def _t(self, a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a).to(self.device, non_blocking=True)
+
+    @torch.inference_mode()
+    def execute(self, inp: ModelInput) -> ModelOutput:
+        bs = self.kv.block_size
+        meta = AttentionMetadata.build(
+            self._t(inp.slot_mapping),
+            self._t(inp.decode_block_table) if len(inp.decode_block_table) else None,
+            self._t(inp.decode_seq_lens) if len(inp.decode_seq_lens) else None,
+            [(start, n, ctx, self._t(blocks)) for start, n, ctx, blocks in inp.prefills],
+            bs,
+        )
+        rows = inp.logits_indices
+        extra = [np.arange(r0, r0 + len(t)) for _, r0, t, _ in inp.prompt_logprob_rows]
+        if extra:
+            rows = np.concatenate([rows, *extra])
+        t0 = time.perf_counter()
+        logits = self.model(self._t(inp.input_ids), self._t(inp.positions), self.kv.tensor, meta, self._t(rows))
+        t1 = time.perf_counter()
+        n_sample = len(inp.logits_indices)
+        prompt_lps = self._prompt_logprobs(logits[n_sample:], inp.prompt_logprob_rows) if extra else {}
+        sampled = self.sampler(logits[:n_sample], inp.sampling)
+        t2 = time.perf_counter()
+        return ModelOutput(sampled, (t1 - t0) * 1e3, (t2 - t1) * 1e3, prompt_lps)
+
+    @staticmethod
+    def _prompt_logprobs(logits, chunks):
+        out, off = {}, 0
+        for request_id, _, targets, k in chunks:
+            lp = torch.log_softmax(logits[off : off + len(targets)], dim=-1)
+            off += len(targets)
+            chosen = lp.gather(1, torch.from_numpy(targets)[:, None]).squeeze(1)
+            top_lp, top_ids = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], lp[:, :0].long())
+            out[request_id] = (chosen.numpy(), top_ids.numpy().astype(np.int32), top_lp.numpy())
+        return out

@@ -1,0 +1,77 @@
+"""Per-iteration statistics: every loop iteration is measured and kept in a bounded ring buffer.
+
+Host step time follows TensorRT-LLM's ``host_step_time``: wall time from the top of one loop
+iteration to the top of the next, i.e. everything the host does (fetch, schedule, input
+preparation, forward, sampling, output, GC). Forward time is measured separately around the
+model call; on CUDA the runner records it with events instead of synchronising for stats.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+FIELDS = (
+    "host_step_ms",  # top of this iteration to top of the next
+    "forward_ms",
+    "fetch_ms",  # draining the inbox (new requests, aborts)
+    "schedule_ms",
+    "prepare_ms",  # building model inputs
+    "sample_ms",
+    "output_ms",  # stop checks, state updates, emitting the step's outputs
+    "num_context_tokens",  # prefill tokens in the batch
+    "num_generation_requests",  # decode rows in the batch
+    "num_running",
+    "num_waiting",
+    "kv_blocks_used",
+    "num_preemptions",  # preemptions in this iteration
+)
+
+
+class IterationStats:
+    """A ring buffer of the last ``capacity`` iterations; thread-safe reads."""
+
+    def __init__(self, capacity: int = 4096):
+        self.capacity = capacity
+        self._data = np.zeros((capacity, len(FIELDS)), np.float64)
+        self._count = 0  # total iterations ever recorded
+        self._lock = threading.Lock()
+        self.index = {name: i for i, name in enumerate(FIELDS)}
+
+    def record(self, row) -> None:
+        with self._lock:
+            self._data[self._count % self.capacity] = row
+            self._count += 1
+
+    @property
+    def count(self) -> int:
+        return self._count
+
+    def window(self, last: int | None = None) -> np.ndarray:
+        """The most recent ``last`` rows (all kept rows by default), oldest first."""
+        with self._lock:
+            n = min(self._count, self.capacity)
+            if last is not None:
+                n = min(n, last)
+            end = self._count % self.capacity
+            idx = (np.arange(end - n, end)) % self.capacity
+            return self._data[idx].copy()
+
+    def since(self, count: int) -> np.ndarray:
+        """Rows recorded after the iteration counter was ``count`` (at most ``capacity``)."""
+        return self.window(max(0, self._count - count))
+
+    def column(self, rows: np.ndarray, name: str) -> np.ndarray:
+        return rows[:, self.index[name]]
+
+    def summary(self, last: int | None = None) -> dict[str, dict[str, float]]:
+        rows = self.window(last)
+        out = {"iterations": {"count": float(len(rows))}}
+        if not len(rows):
+            return out
+        for name in FIELDS:
+            col = self.column(rows, name)
+            p50, p95, p99 = np.percentile(col, [50, 95, 99])
+            out[name] = {"mean": float(col.mean()), "p50": float(p50), "p95": float(p95), "p99": float(p99)}
+        return out
