@@ -1,0 +1,73 @@
+"""Shared fixtures: the default model, and tiny random models of every supported architecture
+written by transformers' own ``save_pretrained`` (the reference implementation)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from leanserve.model import default_model_path
+from leanserve.tokenizer import Tokenizer
+
+torch.set_num_threads(2)
+
+ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+TINY_VOCAB = 49152  # the default model's vocabulary, so its tokenizer serves the tiny models too
+
+
+def tiny_hf_config(arch: str, **overrides):
+    import transformers
+
+    common = dict(
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-5,
+        rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+        # Larger weights than the default init: peaked logits, so greedy choices are not near-ties
+        # that rounding differences between two correct implementations could flip.
+        initializer_range=0.3,
+    )
+    common.update(overrides)
+    cls = {
+        "llama": transformers.LlamaConfig,
+        "mistral": transformers.MistralConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+    }[arch]
+    if arch == "qwen3":
+        common.setdefault("head_dim", 16)
+    return cls(**common)
+
+
+@pytest.fixture(scope="session")
+def default_model() -> str:
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer(default_model) -> Tokenizer:
+    return Tokenizer.from_pretrained(default_model)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, default_tokenizer):
+    """make(arch, **config) -> directory of a tiny random HF model (cached per arguments)."""
+    import transformers
+
+    made = {}
+
+    def make(arch: str = "llama", **overrides) -> str:
+        key = repr((arch, sorted(overrides.items())))
+        if key in made:
+            return made[key]
+        torch.manual_seed(0)
+        cfg = tiny_hf_config(arch, **overrides)
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        path = str(tmp_path_factory.mktemp(f"tiny-{arch}"))
+        model.save_pretrained(path)
+        default_tokenizer.backend.save(os.path.join(path, "tokenizer.json"))
+        made[key] = path
+        return path
+
+    return make
