@@ -39,6 +39,21 @@ from .stats import IterationStats
 log = logging.getLogger("leanserve.engine")
 
 
+def validate_request(prompt_len: int, params: SamplingParams, max_model_len: int, vocab_size: int,
+                     max_logprobs: int) -> None:
+    """The checks every request passes before it is queued (also run by the API process, so a
+    bad request gets its 400 without a round trip). Raises ValueError naming the field."""
+    if prompt_len == 0:
+        raise ValueError("prompt: is empty")
+    if prompt_len >= max_model_len:
+        raise ValueError(f"prompt: {prompt_len} tokens leave no room to generate within max_model_len={max_model_len}")
+    params.validate(vocab_size, max_logprobs)
+    if prompt_len + params.max_tokens > max_model_len:
+        raise ValueError(
+            f"max_tokens: {params.max_tokens} + {prompt_len} prompt tokens exceeds max_model_len={max_model_len}"
+        )
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, model: Transformer | None = None, eos_token_ids=None):
         config.validate()
@@ -88,24 +103,18 @@ class EngineCore:
         """
         if not isinstance(prompt, np.ndarray) or prompt.dtype != np.int32 or prompt.ndim != 1:
             raise ValueError("prompt: must be a 1-D int32 numpy array of token ids")
-        if len(prompt) == 0:
-            raise ValueError("prompt: is empty")
-        if len(prompt) >= self.max_model_len:
-            raise ValueError(
-                f"prompt: {len(prompt)} tokens leave no room to generate within max_model_len={self.max_model_len}"
-            )
-        params.validate(self.vocab_size, self.config.max_logprobs)
-        if len(prompt) + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"max_tokens: {params.max_tokens} + {len(prompt)} prompt tokens exceeds "
-                f"max_model_len={self.max_model_len}"
-            )
+        validate_request(len(prompt), params, self.max_model_len, self.vocab_size, self.config.max_logprobs)
         self._inbox.append((request_id, prompt, params, arrival_time or time.monotonic()))
         self.wakeup.set()
 
     def abort(self, request_ids) -> None:
         self._inbox.append((None, list(request_ids), None, None))
         self.wakeup.set()
+
+    @property
+    def num_queued(self) -> int:
+        """Requests and aborts enqueued but not yet taken by the loop."""
+        return len(self._inbox)
 
     @property
     def has_work(self) -> bool:

@@ -1,0 +1,143 @@
+"""Command line: ``leanserve generate | chat | serve | bench``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .model.config import ModelLoadError
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-memory", type=_bytes, default=None, help="bytes, e.g. 512M or 2G")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def _bytes(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    t = text.strip().lower().rstrip("ib").rstrip("b")
+    return int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
+
+
+def _engine_config(a):
+    from .engine.config import EngineConfig
+
+    return EngineConfig(model=a.model, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
+                        max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+                        block_size=a.block_size, kv_cache_memory=a.kv_cache_memory,
+                        enable_prefix_caching=a.enable_prefix_caching, seed=a.seed)
+
+
+def _sampling(a):
+    from .engine.params import SamplingParams
+
+    return SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, seed=a.seed)
+
+
+def _add_sampling(p):
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+
+
+def _llm(a):
+    from .llm import LLM
+
+    cfg = _engine_config(a)
+    return LLM(cfg.model, **{k: v for k, v in vars(cfg).items() if k != "model"})
+
+
+def cmd_generate(a) -> None:
+    with _llm(a) as llm:
+        for delta in llm.stream(a.prompt, _sampling(a)):
+            print(delta.text, end="", flush=True)
+        print()
+
+
+def cmd_chat(a) -> None:
+    with _llm(a) as llm:
+        messages = [{"role": "system", "content": a.system}] if a.system else []
+        print("leanserve chat: empty line or Ctrl-D to quit", file=sys.stderr)
+        while True:
+            try:
+                line = input("> ")
+            except EOFError:
+                break
+            if not line.strip():
+                break
+            messages.append({"role": "user", "content": line})
+            reply = []
+            for delta in llm.stream(llm.chat_prompt(messages), _sampling(a)):
+                reply.append(delta.text)
+                print(delta.text, end="", flush=True)
+            print()
+            messages.append({"role": "assistant", "content": "".join(reply)})
+
+
+def cmd_serve(a) -> None:
+    from .server.app import ServerConfig, serve
+
+    serve(ServerConfig(engine=_engine_config(a), host=a.host, port=a.port, served_model_name=a.served_model_name,
+                       api_key=a.api_key, max_waiting_requests=a.max_waiting_requests))
+
+
+def cmd_bench(a) -> None:
+    from .bench import host, serve
+
+    {"host": host.main, "serve": serve.main}[a.bench_command](a.bench_args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="leanserve")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="complete one prompt, streaming the text")
+    g.add_argument("prompt")
+    _engine_args(g)
+    _add_sampling(g)
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="interactive chat with the model's chat template")
+    _engine_args(c)
+    _add_sampling(c)
+    c.add_argument("--system", default=None)
+    c.set_defaults(func=cmd_chat, max_tokens=512)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    _engine_args(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", default=None)
+    s.add_argument("--api-key", default=None)
+    s.add_argument("--max-waiting-requests", type=int, default=1024)
+    s.set_defaults(func=cmd_serve)
+
+    b = sub.add_parser("bench", help="benchmarks: `host` (executor host path) or `serve` (load generator)")
+    b.add_argument("bench_command", choices=["host", "serve"])
+    b.add_argument("bench_args", nargs=argparse.REMAINDER)
+    b.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except (ModelLoadError, ValueError) as e:
+        # Bad input from the user: one line, no traceback.
+        print(f"leanserve: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server: an API process in front of an engine-core process."""

@@ -1,0 +1,108 @@
+"""The engine-core process: the executor loop and nothing else.
+
+Three threads, each with one job (and its own ZeroMQ socket):
+  * input:  receive and decode Add/Abort messages, enqueue them (O(1) per request);
+  * loop:   EngineCore.step() while there is work;
+  * output: encode each iteration's StepOutput and send it; send a stats snapshot every 0.5 s.
+No JSON, tokenization or detokenization ever runs here.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import queue
+import threading
+import time
+
+import msgspec
+import numpy as np
+import zmq
+
+from ..engine.config import EngineConfig
+from ..engine.core import EngineCore, EngineLoop
+from .messages import Abort, Add, EngineStats, FromEngine, Ready, Rejected, Step, ToEngine
+
+STATS_PERIOD_S = 0.5
+log = logging.getLogger("leanserve.engine")
+
+
+def run_engine_process(config: EngineConfig, eos_token_ids: list[int], in_addr: str, out_addr: str,
+                       parent_pid: int) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
+    core = EngineCore(config, eos_token_ids=eos_token_ids)
+    outbox: queue.SimpleQueue = queue.SimpleQueue()
+    ctx = zmq.Context()
+    threading.Thread(target=_input_thread, args=(ctx, in_addr, core, outbox), daemon=True,
+                     name="leanserve-input").start()
+    loop = EngineLoop(core, lambda out: outbox.put(Step(out)))
+    outbox.put(Ready(core.max_model_len, core.vocab_size, core.kv.pool.num_blocks))
+    # Start-up allocations are permanent: keep them out of the collector's generations so
+    # GC pauses in the loop stay short (vLLM does the same).
+    gc.collect()
+    gc.freeze()
+    loop.start()
+    _output_thread(ctx, out_addr, core, outbox, parent_pid)
+
+
+def _input_thread(ctx: zmq.Context, addr: str, core: EngineCore, outbox: queue.SimpleQueue) -> None:
+    sock = ctx.socket(zmq.PULL)
+    sock.connect(addr)
+    decoder = msgspec.msgpack.Decoder(ToEngine)
+    while True:
+        frames = sock.recv_multipart(copy=False)
+        msg = decoder.decode(frames[0].buffer)
+        if isinstance(msg, Add):
+            prompt = np.frombuffer(frames[1].buffer, np.int32)  # zero-copy view of the frame
+            try:
+                core.add_request(msg.request_id, prompt, msg.params, msg.arrival_time)
+            except ValueError as e:
+                outbox.put(Rejected(msg.request_id, str(e)))
+        elif isinstance(msg, Abort):
+            core.abort(msg.request_ids)
+
+
+def _output_thread(ctx, addr, core: EngineCore, outbox: queue.SimpleQueue, parent_pid: int) -> None:
+    sock = ctx.socket(zmq.PUSH)
+    sock.connect(addr)
+    encoder = msgspec.msgpack.Encoder()
+    buf = bytearray()
+    last_stats = time.monotonic()
+    stats_seen = 0
+    while True:
+        try:
+            msg: FromEngine = outbox.get(timeout=STATS_PERIOD_S)
+            encoder.encode_into(msg, buf)  # one reused buffer, no allocation per message
+            sock.send(buf, copy=True)
+        except queue.Empty:
+            pass
+        now = time.monotonic()
+        if now - last_stats >= STATS_PERIOD_S:
+            if os.getppid() != parent_pid:  # the API process is gone: do not linger as an orphan
+                os._exit(0)
+            snapshot, stats_seen = _snapshot(core, stats_seen)
+            encoder.encode_into(snapshot, buf)
+            sock.send(buf, copy=True)
+            last_stats = now
+
+
+def _snapshot(core: EngineCore, seen: int) -> tuple[EngineStats, int]:
+    rows = core.stats.since(seen)
+    sch, pool = core.scheduler, core.kv.pool
+    queue_times = []
+    while core.queue_times:
+        queue_times.append(core.queue_times.popleft())
+    return EngineStats(
+        num_running=len(sch.running),
+        num_waiting=len(sch.waiting) + core.num_queued,
+        kv_blocks_used=pool.num_used,
+        kv_blocks_total=pool.num_blocks - 1,
+        prompt_tokens_total=core.prompt_tokens_total,
+        generation_tokens_total=core.generation_tokens_total,
+        prefix_queries_total=sch.prefix_queries,
+        prefix_hits_total=sch.prefix_hits,
+        preemptions_total=sch.num_preemptions,
+        iterations=np.ascontiguousarray(rows).tobytes(),
+        queue_times=queue_times,
+    ), core.stats.count

@@ -1,0 +1,409 @@
+"""Completions and chat completions: one generation stream shared by both, then OpenAI shapes.
+
+``generate`` turns engine events into per-choice text pieces: incremental detokenization, stop
+strings (which abort the engine request), latency metrics, and, when the consumer goes away
+(client disconnect, error), an abort of whatever is still running, so the engine frees the
+request's blocks within one iteration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import msgspec
+import numpy as np
+from starlette.concurrency import run_in_threadpool
+from starlette.responses import Response, StreamingResponse
+
+from ..engine.core import validate_request
+from ..engine.params import SamplingParams
+from ..tokenizer import IncrementalDetokenizer, Tokenizer
+from .engine_client import AsyncEngineClient, EngineDeadError
+from .metrics import ServerMetrics
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request_from
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngineClient
+    tokenizer: Tokenizer
+    metrics: ServerMetrics
+    model_name: str
+    model_path: str
+    max_model_len: int
+    vocab_size: int
+    max_logprobs: int
+    max_waiting_requests: int
+
+
+@dataclass
+class Piece:
+    """What one engine event means for one choice."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[tuple[int, float, list]] | None  # (token id, logprob, [(id, logprob), ...])
+    finish_reason: str | None
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    prompt_logprobs: list | None = None  # per prompt position: None or (logprob, top)
+
+    def add(self, other: "Usage") -> None:
+        self.prompt_tokens += other.prompt_tokens
+        self.completion_tokens += other.completion_tokens
+        self.cached_tokens += other.cached_tokens
+
+    def to_json(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+class EngineRequestError(RuntimeError):
+    pass
+
+
+async def generate(state: ServerState, prompt: np.ndarray, params: SamplingParams, usage: Usage,
+                   index_base: int = 0) -> AsyncIterator[Piece]:
+    engine, metrics = state.engine, state.metrics
+    try:
+        ids, q = engine.submit(prompt, params)
+    except EngineDeadError as e:
+        raise APIError(503, str(e)) from None
+    usage.prompt_tokens += len(prompt)
+    start = time.monotonic()
+    last = [None] * params.n
+    detoks = [IncrementalDetokenizer(state.tokenizer, params.skip_special_tokens, params.stop,
+                                     params.include_stop_str_in_output) for _ in range(params.n)]
+    live = set(range(params.n))
+    cached = 0
+    try:
+        while live:
+            i, ev = await q.get()
+            if i not in live:
+                continue
+            if ev.error:
+                metrics.request_finished("error")
+                raise EngineRequestError(ev.error)
+            now = time.monotonic()
+            if ev.prompt_logprobs is not None and i == 0:
+                usage.prompt_logprobs = (usage.prompt_logprobs or [None]) + _prompt_lp_rows(ev.prompt_logprobs)
+            tokens, lps = [], None
+            delta = ""
+            if ev.token_id >= 0:
+                cached = max(cached, ev.num_cached_tokens)
+                (metrics.ttft if last[i] is None else metrics.itl).observe(now - (last[i] or start))
+                last[i] = now
+                tokens = [ev.token_id]
+                usage.completion_tokens += 1
+                delta = detoks[i].add(tokens)
+                if params.logprobs is not None:
+                    lps = [(ev.token_id, ev.logprob, ev.top or [])]
+            finish = ev.finish_reason.openai
+            if detoks[i].stopped_on is not None:
+                finish = "stop"
+                engine.abort([ids[i]])
+            if finish:
+                delta += detoks[i].flush()
+                live.discard(i)
+                metrics.e2e.observe(now - start)
+                metrics.request_finished(finish)
+            yield Piece(index_base + i, delta, tokens, lps, finish)
+    finally:
+        usage.cached_tokens += cached
+        if live:  # the consumer left early (disconnect, error): free the engine's work now
+            engine.abort([ids[i] for i in live])
+
+
+def _prompt_lp_rows(chunk) -> list:
+    lp, ids, tlp = chunk
+    return [(float(lp[j]), list(zip(ids[j].tolist(), tlp[j].tolist()))) for j in range(len(lp))]
+
+
+async def merge(gens: list[AsyncIterator[Piece]]) -> AsyncIterator[Piece]:
+    """Interleaves several generation streams (a completions request with several prompts)."""
+    if len(gens) == 1:
+        async for p in gens[0]:
+            yield p
+        return
+    q: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(g):
+        try:
+            async for p in g:
+                await q.put(p)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
+            await q.put(e)
+        finally:
+            await q.put(done)
+
+    tasks = [asyncio.create_task(pump(g)) for g in gens]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await q.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+# ---------------------------------------------------------------------------------- helpers
+
+
+def _check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model != state.model_name:
+        raise APIError(404, f"The model `{model}` does not exist.", "model")
+
+
+def _check_capacity(state: ServerState, n: int) -> None:
+    if state.engine.dead:
+        raise APIError(503, "the engine process is not running")
+    if state.engine.num_pending + n > state.max_waiting_requests:
+        raise APIError(503, f"server overloaded: more than {state.max_waiting_requests} requests in flight; retry later")
+
+
+def _validate(state: ServerState, prompt_len: int, params: SamplingParams) -> None:
+    try:
+        validate_request(prompt_len, params, state.max_model_len, state.vocab_size, state.max_logprobs)
+    except ValueError as e:
+        raise bad_request_from(e) from None
+
+
+def _token_str(tok: Tokenizer, token_id: int) -> str:
+    return tok.decode([token_id], skip_special_tokens=False)
+
+
+def _json(obj) -> bytes:
+    return msgspec.json.encode(obj)
+
+
+def _sse(obj) -> bytes:
+    return b"data: " + _json(obj) + b"\n\n"
+
+
+def _error_event(e: Exception) -> bytes:
+    status = e.status if isinstance(e, APIError) else 500
+    return _sse({"error": {"message": str(e), "type": "server_error" if status >= 500 else "invalid_request_error",
+                           "param": None, "code": status}})
+
+
+async def _stream(pieces: AsyncIterator[Piece], chunk, usage: Usage, include_usage: bool, final_chunk):
+    try:
+        async for p in pieces:
+            if p.text or p.token_ids or p.finish_reason:
+                yield _sse(chunk(p))
+        if include_usage:
+            yield _sse(final_chunk(usage))
+    except Exception as e:  # noqa: BLE001 - a mid-stream failure is reported in-band
+        yield _error_event(e)
+    yield b"data: [DONE]\n\n"
+
+
+async def _collect(pieces: AsyncIterator[Piece], n_choices: int) -> list[dict]:
+    choices = [{"text": [], "tokens": [], "logprobs": [], "finish_reason": None} for _ in range(n_choices)]
+    try:
+        async for p in pieces:
+            c = choices[p.index]
+            c["text"].append(p.text)
+            c["tokens"] += p.token_ids
+            if p.logprobs:
+                c["logprobs"] += p.logprobs
+            c["finish_reason"] = p.finish_reason or c["finish_reason"]
+    except EngineRequestError as e:
+        raise APIError(500, f"generation failed: {e}") from None
+    for c in choices:
+        c["text"] = "".join(c["text"])
+    return choices
+
+
+# ---------------------------------------------------------------------------------- completions
+
+
+async def _completion_prompts(state: ServerState, prompt) -> list[tuple[str | None, np.ndarray]]:
+    tok = state.tokenizer
+    if isinstance(prompt, str):
+        return [(prompt, await run_in_threadpool(tok.encode, prompt))]
+    if not prompt:
+        raise APIError(400, "prompt: must not be empty", "prompt")
+    if isinstance(prompt[0], str):
+        encoded = await run_in_threadpool(tok.encode_batch, prompt)
+        return list(zip(prompt, encoded))
+    lists = [prompt] if isinstance(prompt[0], int) else prompt
+    out = []
+    for ids in lists:
+        arr = np.asarray(ids, np.int32)  # the one conversion, here at the boundary
+        if len(arr) and (arr.min() < 0 or arr.max() >= state.vocab_size):
+            raise APIError(400, f"prompt: token ids must be in [0, {state.vocab_size})", "prompt")
+        out.append((None, arr))
+    return out
+
+
+async def create_completion(state: ServerState, req: CompletionRequest):
+    _check_model(state, req.model)
+    req.check_common()
+    if req.suffix:
+        raise APIError(400, "suffix: not supported", "suffix")
+    prompts = await _completion_prompts(state, req.prompt)
+    per_prompt = []
+    for _text, ids in prompts:
+        max_tokens = req.max_tokens if req.max_tokens is not None else state.max_model_len - len(ids)
+        params = req.sampling_params(max_tokens, req.logprobs, req.logprobs if req.echo and req.logprobs is not None
+                                     else None)
+        _validate(state, len(ids), params)
+        per_prompt.append(params)
+    _check_capacity(state, req.n * len(prompts))
+
+    rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    usages = [Usage() for _ in prompts]
+    pieces = merge([generate(state, ids, p, u, k * req.n) for k, ((_, ids), p, u) in
+                    enumerate(zip(prompts, per_prompt, usages))])
+    tok = state.tokenizer
+    head = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name}
+    offsets = [0] * (len(prompts) * req.n)
+
+    def logprobs_json(index, lps):
+        if req.logprobs is None:
+            return None
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token_id, lp, top in lps or []:
+            s = _token_str(tok, token_id)
+            out["tokens"].append(s)
+            out["token_logprobs"].append(lp)
+            out["top_logprobs"].append({_token_str(tok, t): v for t, v in top})
+            out["text_offset"].append(offsets[index])
+            offsets[index] += len(s)
+        return out
+
+    def total_usage() -> Usage:
+        u = Usage()
+        for x in usages:
+            u.add(x)
+        return u
+
+    if req.stream:
+        echoed = set()
+
+        def chunk(p: Piece):
+            text = p.text
+            if req.echo and p.index not in echoed:
+                echoed.add(p.index)
+                prompt_text = prompts[p.index // req.n][0] or tok.decode(prompts[p.index // req.n][1])
+                text = prompt_text + text
+            return {**head, "choices": [{"index": p.index, "text": text, "logprobs": logprobs_json(p.index, p.logprobs),
+                                         "finish_reason": p.finish_reason}]}
+
+        include = bool(req.stream_options and req.stream_options.include_usage)
+        return StreamingResponse(
+            _stream(pieces, chunk, usages[0], include, lambda _: {**head, "choices": [], "usage": total_usage().to_json()}),
+            media_type="text/event-stream")
+
+    choices = await _collect(pieces, len(prompts) * req.n)
+    out = []
+    for i, c in enumerate(choices):
+        text = c["text"]
+        prompt_text, prompt_ids = prompts[i // req.n]
+        lp = logprobs_json(i, c["logprobs"]) if req.logprobs is not None else None
+        if req.echo:
+            prompt_text = prompt_text if prompt_text is not None else tok.decode(prompt_ids)
+            text = prompt_text + text
+            if lp is not None:
+                lp = _echo_logprobs(tok, prompt_ids, usages[i // req.n].prompt_logprobs, lp)
+        out.append({"index": i, "text": text, "logprobs": lp, "finish_reason": c["finish_reason"]})
+    return Response(_json({**head, "choices": out, "usage": total_usage().to_json()}), media_type="application/json")
+
+
+def _echo_logprobs(tok, prompt_ids, prompt_lps, lp):
+    rows = prompt_lps or [None] * len(prompt_ids)
+    tokens = [_token_str(tok, t) for t in prompt_ids.tolist()]
+    offsets = np.cumsum([0] + [len(s) for s in tokens])[:-1].tolist()
+    shift = offsets[-1] + len(tokens[-1]) if tokens else 0
+    return {
+        "tokens": tokens + lp["tokens"],
+        "token_logprobs": [None if r is None else r[0] for r in rows] + lp["token_logprobs"],
+        "top_logprobs": [None if r is None else {_token_str(tok, t): v for t, v in r[1]} for r in rows]
+        + lp["top_logprobs"],
+        "text_offset": offsets + [o + shift for o in lp["text_offset"]],
+    }
+
+
+# ---------------------------------------------------------------------------------- chat
+
+
+async def create_chat_completion(state: ServerState, req: ChatCompletionRequest):
+    _check_model(state, req.model)
+    req.check_common()
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs: requires logprobs to be true", "top_logprobs")
+    tok = state.tokenizer
+    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    try:
+        text = await run_in_threadpool(tok.apply_chat_template, messages, req.add_generation_prompt)
+    except ValueError as e:
+        raise bad_request_from(e) from None
+    ids = await run_in_threadpool(tok.encode, text, False)
+    max_tokens = req.max_completion_tokens or req.max_tokens
+    if max_tokens is None:
+        max_tokens = max(1, state.max_model_len - len(ids))
+    params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None, None)
+    _validate(state, len(ids), params)
+    _check_capacity(state, req.n)
+
+    rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    usage = Usage()
+    pieces = generate(state, ids, params, usage)
+    head = {"id": rid, "created": created, "model": state.model_name}
+
+    def logprobs_json(lps):
+        if not req.logprobs:
+            return None
+
+        def entry(t, v):
+            s = _token_str(tok, t)
+            return {"token": s, "logprob": v, "bytes": list(s.encode("utf-8"))}
+
+        return {"content": [{**entry(t, v), "top_logprobs": [entry(a, b) for a, b in top]} for t, v, top in lps or []]}
+
+    if req.stream:
+        started = set()
+
+        def chunk(p: Piece):
+            delta = {"content": p.text}
+            if p.index not in started:  # the role rides on the choice's first real chunk
+                started.add(p.index)
+                delta = {"role": "assistant", **delta}
+            return {**head, "object": "chat.completion.chunk",
+                    "choices": [{"index": p.index, "delta": delta, "logprobs": logprobs_json(p.logprobs),
+                                 "finish_reason": p.finish_reason}]}
+
+        include = bool(req.stream_options and req.stream_options.include_usage)
+        return StreamingResponse(
+            _stream(pieces, chunk, usage, include,
+                    lambda u: {**head, "object": "chat.completion.chunk", "choices": [], "usage": u.to_json()}),
+            media_type="text/event-stream")
+
+    choices = await _collect(pieces, req.n)
+    out = [{"index": i, "message": {"role": "assistant", "content": c["text"]},
+            "logprobs": logprobs_json(c["logprobs"]), "finish_reason": c["finish_reason"]}
+           for i, c in enumerate(choices)]
+    return Response(_json({**head, "object": "chat.completion", "choices": out, "usage": usage.to_json()}),
+                    media_type="application/json")
