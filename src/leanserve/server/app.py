@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
+import sys
 import time
 from dataclasses import dataclass
 
@@ -162,7 +164,10 @@ def serve(cfg: ServerConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     app = build_app(cfg)
     # uvicorn handles SIGINT/SIGTERM: it stops accepting, drains, then runs the lifespan exit,
-    # which terminates the engine process.
+    # which terminates the engine process. Afterwards it re-raises the signal under the handler
+    # found at start; for SIGTERM that handler ends the process with status 0, as a shutdown
+    # that completed cleanly should.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=5)
 
 

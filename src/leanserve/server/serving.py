@@ -251,10 +251,13 @@ async def _completion_prompts(state: ServerState, prompt) -> list[tuple[str | No
     lists = [prompt] if isinstance(prompt[0], int) else prompt
     out = []
     for ids in lists:
-        arr = np.asarray(ids, np.int32)  # the one conversion, here at the boundary
-        if len(arr) and (arr.min() < 0 or arr.max() >= state.vocab_size):
+        try:
+            wide = np.asarray(ids, np.int64)
+        except (OverflowError, ValueError, TypeError):
+            wide = None
+        if wide is None or wide.ndim != 1 or (len(wide) and (wide.min() < 0 or wide.max() >= state.vocab_size)):
             raise APIError(400, f"prompt: token ids must be in [0, {state.vocab_size})", "prompt")
-        out.append((None, arr))
+        out.append((None, wide.astype(np.int32)))  # the one conversion to the engine's form, at the boundary
     return out
 
 
