@@ -361,3 +361,19 @@ def test_schemathesis_finds_no_server_error(tiny_chat_model):
         assert httpx.get(s.url + "/health").status_code == 200
     finally:
         s.stop()
+
+
+def test_bench_serve_smoke(server, tmp_path):
+    from leanserve.bench import serve as bench_serve
+
+    out = tmp_path / "result.json"
+    res = bench_serve.main(["--base-url", server.url, "--num-prompts", "4", "--max-concurrency", "2",
+                            "--random-input-len", "16", "--random-output-len", "4", "--ignore-eos",
+                            "--no-progress", "--save-result", str(out)])
+    s = res["summary"]
+    assert s["completed"] == 4 and s["failed"] == 0 and s["total_output_tokens"] == 16
+    assert s["median_ttft_ms"] > 0 and s["output_speed_p50"] > 0
+    assert res["engine"]["iterations"] > 0 and 0 <= res["engine"]["host_overhead_share"] < 1
+    assert json.loads(out.read_text())["summary"]["completed"] == 4
+    with pytest.raises(SystemExit):
+        bench_serve.parse_args(["--base-url", "http://10.0.0.1:8000"])  # loopback only

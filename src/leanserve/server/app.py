@@ -143,12 +143,19 @@ def build_app(cfg: ServerConfig) -> FastAPI:
         return Response(state(request).metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/stats")
-    async def iteration_stats(request: Request):
-        """The latest engine snapshot: counters and gauges, as JSON."""
-        latest = state(request).engine.latest_stats
-        if latest is None:
-            return {}
-        return {f: getattr(latest, f) for f in latest.__struct_fields__ if f != "iterations"}
+    async def iteration_stats(request: Request, since: int | None = None):
+        """Engine counters and gauges, the iteration count, and with ``since=<count>`` the
+        p50/p95/p99 of every iteration field recorded after that count (benchmarks read their
+        own window this way)."""
+        s = state(request)
+        latest = s.engine.latest_stats
+        out = {f: getattr(latest, f) for f in latest.__struct_fields__ if f not in ("iterations", "queue_times")} \
+            if latest is not None else {}
+        its = s.metrics.iterations
+        out["iterations_total"] = its.count
+        if since is not None:
+            out["window"] = its.summary(last=max(0, its.count - since))
+        return out
 
     return app
 

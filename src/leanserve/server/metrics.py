@@ -13,7 +13,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from ..engine.stats import FIELDS
+from ..engine.stats import FIELDS, IterationStats
 from .messages import EngineStats
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -28,6 +28,8 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         self.latest: EngineStats | None = None
+        # The engine's iteration rows, mirrored here so /stats can summarise any window of them.
+        self.iterations = IterationStats(capacity=1 << 16)
         labels = ["model_name"]
 
         def hist(name, doc, buckets):
@@ -55,6 +57,8 @@ class ServerMetrics:
         for q in s.queue_times:
             self.queue.observe(q)
         rows = np.frombuffer(s.iterations, np.float64).reshape(-1, len(FIELDS))
+        for row in rows:
+            self.iterations.record(row)
         for host, fwd, ctx, gen in rows[:, [_HOST, _FORWARD, _CONTEXT, _GENERATION]].tolist():
             self.host_step.observe(host / 1e3)
             self.forward.observe(fwd / 1e3)

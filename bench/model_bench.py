@@ -1,0 +1,175 @@
+"""Model benchmark on the default model (SmolLM2-135M-Instruct, GGUF Q4_1).
+
+Per dtype (each in a fresh process, so RSS is the model's own):
+  * load time and RSS after load;
+  * forward time of one decode step at batch 1, 8, 32, 128 (context 256 per sequence) and of a
+    512-token prefill, median of 5, through the same paged-attention path the engine uses;
+  * the CPU's GEMM rate (torch.mm at the model's shapes) and the compute ceiling it implies;
+  * engine decode throughput at batch 1, 8, 32, 64 (host step time of decode iterations) as a
+    fraction of the forward-only rate of the same iterations.
+
+    python bench/model_bench.py                 # both dtypes, writes bench/results/model.{json,md}
+    python bench/model_bench.py --dtype float32 # one dtype, JSON to stdout
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def gemm_gflops(dtype, m: int, k: int = 576, n: int = 1536, reps: int = 30) -> float:
+    a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+    for _ in range(5):
+        a @ b
+    t = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    return 2 * m * k * n * reps / (time.perf_counter() - t) / 1e9
+
+
+def forward_ms(model, batch: int, context: int, prefill: int = 0, reps: int = 5) -> float:
+    from leanserve.model.attention import AttentionMetadata
+
+    cfg, bs = model.config, 16
+    per_seq = -(-max(context, prefill) // bs) + 1
+    nblocks = batch * per_seq + 1
+    kv = torch.zeros(cfg.num_layers, 2, nblocks, bs, cfg.num_kv_heads, cfg.head_dim, dtype=model.norm.weight.dtype)
+    tables = torch.arange(1, nblocks).view(batch, per_seq)
+    if prefill:
+        n = prefill
+        meta = AttentionMetadata.build(torch.arange(bs, bs + n), None, None, [(0, n, n, None)], bs)
+        args = (torch.randint(0, 40000, (n,)), torch.arange(n), kv, meta, torch.tensor([n - 1]))
+    else:
+        pos = torch.full((batch,), context - 1)
+        slots = tables[:, (context - 1) // bs] * bs + (context - 1) % bs
+        meta = AttentionMetadata.build(slots, tables, pos + 1, [], bs)
+        args = (torch.randint(0, 40000, (batch,)), pos, kv, meta, None)
+    model(*args)
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        model(*args)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def engine_decode(model, batch: int, tokenizer) -> dict:
+    from leanserve.engine.config import EngineConfig
+    from leanserve.engine.core import EngineCore
+    from leanserve.engine.params import SamplingParams
+    from leanserve.engine.stats import FIELDS
+
+    core = EngineCore(EngineConfig(max_num_seqs=batch, kv_cache_memory=512 << 20, max_model_len=1024), model=model,
+                      eos_token_ids=tokenizer.eos_token_ids)
+    rng = np.random.default_rng(0)
+    p = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    for i in range(batch):
+        core.add_request(i, rng.integers(100, 40000, 32).astype(np.int32), p)
+    while core.has_work:
+        core.step(lambda _: None)
+    rows = core.stats.window()
+    rows = rows[rows[:, FIELDS.index("num_generation_requests")] == batch][3:]  # decode only, past warm-up
+    host = rows[:, FIELDS.index("host_step_ms")]
+    fwd = rows[:, FIELDS.index("forward_ms")]
+    return {"batch": batch, "iterations": len(rows), "host_step_ms_p50": float(np.median(host)),
+            "forward_ms_p50": float(np.median(fwd)), "tokens_per_s": float(batch / np.median(host) * 1e3),
+            "forward_only_tokens_per_s": float(batch / np.median(fwd) * 1e3),
+            "fraction_of_forward_ceiling": float(np.median(fwd) / np.median(host))}
+
+
+def run_one(dtype: str) -> dict:
+    from leanserve.model import default_model_path, load_model
+    from leanserve.tokenizer import Tokenizer
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    before = rss_mb()
+    t = time.perf_counter()
+    model = load_model(None, dtype)
+    load_s = time.perf_counter() - t
+    res = {"dtype": dtype, "load_s": load_s, "rss_mb": rss_mb(), "rss_before_mb": before}
+    tdtype = model.norm.weight.dtype
+    res["decode_ms"] = {b: forward_ms(model, b, 256) for b in (1, 8, 32, 128)}
+    res["prefill_512_ms"] = forward_ms(model, 1, 0, prefill=512)
+    res["gemm_gflops"] = {m: gemm_gflops(tdtype, m) for m in (1, 8, 32, 128, 512)}
+    cfg = model.config
+    # FLOPs per token of the weights (all matmuls, the output head included): 2 * parameters.
+    per_layer = cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim \
+        + cfg.num_heads * cfg.head_dim * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size
+    flops = 2 * (cfg.num_layers * per_layer + cfg.vocab_size * cfg.hidden_size)
+    res["gflop_per_token"] = flops / 1e9
+    res["ceiling_tokens_per_s"] = {m: g * 1e9 / flops for m, g in res["gemm_gflops"].items()}
+    tok = Tokenizer.from_pretrained(default_model_path())
+    res["engine_decode"] = [engine_decode(model, b, tok) for b in (1, 8, 32, 64)]
+    return res
+
+
+def markdown(results: list[dict]) -> str:
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
+    out = [f"Machine: {cpu}, {os.cpu_count()} cores; torch {torch.__version__}; Python {platform.python_version()}",
+           "", "| dtype | load s | RSS MB | decode b1 | b8 | b32 | b128 ms | prefill 512 ms |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        d = r["decode_ms"]
+        out.append(f"| {r['dtype']} | {r['load_s']:.1f} | {r['rss_mb']:.0f} | {d['1']:.0f} | {d['8']:.0f} | "
+                   f"{d['32']:.0f} | {d['128']:.0f} | {r['prefill_512_ms']:.0f} |")
+    out += ["", "GEMM rate (torch.mm, M x 576 x 1536) and the compute ceiling it implies for the model's weights "
+            f"({results[0]['gflop_per_token']:.2f} GFLOP/token):", "",
+            "| dtype | M=1 | 8 | 32 | 128 | 512 GFLOP/s | ceiling tok/s at M=128 |", "|---|---|---|---|---|---|---|"]
+    for r in results:
+        g = r["gemm_gflops"]
+        out.append(f"| {r['dtype']} | {g['1']:.0f} | {g['8']:.0f} | {g['32']:.0f} | {g['128']:.0f} | {g['512']:.0f} | "
+                   f"{r['ceiling_tokens_per_s']['128']:.0f} |")
+    out += ["", "Engine decode (greedy, 32-token prompts, 24 new tokens): tokens/s from the median host step time of "
+            "decode iterations, and the share of that step spent in the forward:", "",
+            "| dtype | batch | host step ms | forward ms | tok/s | forward-only tok/s | fraction |",
+            "|---|---|---|---|---|---|---|"]
+    for r in results:
+        for e in r["engine_decode"]:
+            out.append(f"| {r['dtype']} | {e['batch']} | {e['host_step_ms_p50']:.1f} | {e['forward_ms_p50']:.1f} | "
+                       f"{e['tokens_per_s']:.0f} | {e['forward_only_tokens_per_s']:.0f} | "
+                       f"{e['fraction_of_forward_ceiling']:.3f} |")
+    return "\n".join(out) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"])
+    a = ap.parse_args()
+    if a.dtype:
+        print(json.dumps(run_one(a.dtype)))
+        return
+    results = []
+    for dtype in ("float32", "bfloat16"):
+        out = subprocess.run([sys.executable, __file__, "--dtype", dtype], capture_output=True, text=True, check=True)
+        results.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
+    with open(os.path.join(HERE, "results", "model.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    md = markdown(results)
+    with open(os.path.join(HERE, "results", "model.md"), "w") as f:
+        f.write("# Model benchmark\n\nCommand: `.venv/bin/python bench/model_bench.py`\n\n" + md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
