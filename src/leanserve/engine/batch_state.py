@@ -15,7 +15,7 @@ from .request import Request
 
 
 class BatchState:
-    def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int, max_stop_ids: int = 8):
+    def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int, eos_token_ids=()):
         s = max_num_seqs
         self.capacity = s
         self.block_size = block_size
@@ -29,11 +29,16 @@ class BatchState:
         self.block_table = np.zeros((s, self.max_blocks), np.int64)
         self.out_tokens = np.zeros((s, max_model_len), np.int32)
         self.last_token = np.zeros(s, np.int32)
+        self.num_cached = np.zeros(s, np.int32)  # prompt tokens served by the prefix cache
         # stop conditions
-        self.max_total = np.zeros(s, np.int64)  # prompt + max_tokens
+        self.max_model_len = max_model_len
+        self.stop_len = np.zeros(s, np.int64)  # finish at this many tokens: min(prompt + max_tokens, max_model_len)
         self.min_total = np.zeros(s, np.int64)  # prompt + min_tokens: EOS/stop ids are masked below it
-        self.ignore_eos = np.zeros(s, np.bool_)
-        self.stop_ids = np.full((s, max_stop_ids), -1, np.int32)
+        # Token ids that end each request: its stop_token_ids plus EOS (unless ignore_eos), so the
+        # stop check is one comparison over the batch.
+        self.eos_token_ids = [int(t) for t in eos_token_ids]
+        # As wide as the most stop ids any request has used (grows on demand; usually 1: EOS).
+        self.stop_ids = np.full((s, max(1, len(self.eos_token_ids))), -1, np.int32)
         # sampling settings
         self.temperature = np.zeros(s, np.float32)
         self.top_p = np.ones(s, np.float32)
@@ -42,6 +47,7 @@ class BatchState:
         self.repetition_penalty = np.ones(s, np.float32)
         self.presence_penalty = np.zeros(s, np.float32)
         self.frequency_penalty = np.zeros(s, np.float32)
+        self.penalized = np.zeros(s, np.bool_)  # any of the three penalties set
         self.num_logprobs = np.full(s, -1, np.int64)
         self.seeded = np.zeros(s, np.bool_)
         self._free_slots = list(range(s - 1, -1, -1))
@@ -66,15 +72,16 @@ class BatchState:
         self.num_computed[slot] = req.num_computed_tokens
         self.set_blocks(slot, req.block_ids)
         self.last_token[slot] = self.out_tokens[slot, n_out - 1] if n_out else req.prompt[-1]
-        self.max_total[slot] = n_prompt + p.max_tokens
+        self.stop_len[slot] = min(n_prompt + p.max_tokens, self.max_model_len)
         self.min_total[slot] = n_prompt + p.min_tokens
-        self.ignore_eos[slot] = p.ignore_eos
-        if len(p.stop_token_ids) > self.stop_ids.shape[1]:
-            grown = np.full((self.capacity, len(p.stop_token_ids)), -1, np.int32)
+        self.num_cached[slot] = req.num_cached_tokens
+        stops = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
+        if len(stops) > self.stop_ids.shape[1]:
+            grown = np.full((self.capacity, len(stops)), -1, np.int32)
             grown[:, : self.stop_ids.shape[1]] = self.stop_ids
             self.stop_ids = grown
         self.stop_ids[slot] = -1
-        self.stop_ids[slot, : len(p.stop_token_ids)] = p.stop_token_ids
+        self.stop_ids[slot, : len(stops)] = stops
         self.temperature[slot] = p.temperature
         self.top_p[slot] = p.top_p
         self.top_k[slot] = p.top_k if p.top_k > 0 else 0
@@ -82,6 +89,7 @@ class BatchState:
         self.repetition_penalty[slot] = p.repetition_penalty
         self.presence_penalty[slot] = p.presence_penalty
         self.frequency_penalty[slot] = p.frequency_penalty
+        self.penalized[slot] = p.uses_penalties
         self.num_logprobs[slot] = -1 if p.logprobs is None else p.logprobs
         self.seeded[slot] = req.seed is not None
         return slot

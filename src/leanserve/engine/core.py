@@ -65,7 +65,6 @@ class EngineCore:
         self.vocab_size = mcfg.vocab_size
         self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
         self.eos_token_ids = sorted(set(mcfg.eos_token_ids) | set(eos_token_ids or ()))
-        self._eos = np.asarray(self.eos_token_ids, np.int32)
 
         dtype = self.model.embed_tokens.weight.dtype
         bs = config.block_size
@@ -78,7 +77,7 @@ class EngineCore:
             num_blocks = min(budget // per_block, enough)
         self.kv = KVCache(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, int(num_blocks), bs, dtype,
                           config.device)
-        self.batch = BatchState(config.max_num_seqs, self.max_model_len, bs)
+        self.batch = BatchState(config.max_num_seqs, self.max_model_len, bs, self.eos_token_ids)
         self.scheduler = Scheduler(self.batch, self.kv.pool, config.max_num_batched_tokens,
                                    config.enable_prefix_caching)
         self.runner = ModelRunner(self.model, self.kv, config.device, config.seed)
@@ -134,7 +133,7 @@ class EngineCore:
             return bool(aborted)
         forward_ms = sample_ms = 0.0
         try:
-            inp = build_model_input(self.batch, sched, self.generators, self.eos_token_ids)
+            inp = build_model_input(self.batch, sched, self.generators)
             t3 = time.perf_counter()
             out = self.runner.execute(inp)
             forward_ms, sample_ms = out.forward_ms, out.sample_ms
@@ -206,13 +205,11 @@ class EngineCore:
         b.num_tokens[ss] += 1
         b.last_token[ss] = tokens
         self.generation_tokens_total += len(ss)
-        # 3. stop checks, vectorised
-        stop = np.isin(tokens, self._eos) & ~b.ignore_eos[ss]
-        stop |= (b.stop_ids[ss] == tokens[:, None]).any(axis=1)
-        length = (b.num_tokens[ss] >= b.max_total[ss]) | (b.num_tokens[ss] >= self.max_model_len)
-        reasons = np.where(stop, FinishReason.STOP, np.where(length, FinishReason.LENGTH, 0)).astype(np.int8)
+        # 3. stop checks, vectorised (stop_ids holds EOS too, unless the request ignores it)
+        reasons = (b.num_tokens[ss] >= b.stop_len[ss]).astype(np.int8) * np.int8(FinishReason.LENGTH)
+        reasons[(b.stop_ids[ss] == tokens[:, None]).any(axis=1)] = FinishReason.STOP
         request_ids = b.request_id[ss].copy()
-        cached = np.fromiter((b.requests[s].num_cached_tokens for s in ss), np.int32, len(ss))
+        cached = b.num_cached[ss]
         done = reasons != 0
         if done.any():
             for req in sch.finish_slots(ss[done]):

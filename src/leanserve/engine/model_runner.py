@@ -50,54 +50,49 @@ class ModelOutput:
     prompt_logprobs: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)
 
 
-def build_model_input(
-    b: BatchState,
-    sched: ScheduledBatch,
-    generators: dict[int, torch.Generator],
-    eos_ids: list[int],
-) -> ModelInput:
+def build_model_input(b: BatchState, sched: ScheduledBatch, generators: dict[int, torch.Generator]) -> ModelInput:
     bs = b.block_size
     d = sched.decode_slots
     num_d = len(d)
     total = num_d + sched.num_prefill_tokens
     input_ids = np.empty(total, np.int64)
     positions = np.empty(total, np.int64)
+    slot_mapping = np.empty(total, np.int64)
 
-    # Decode rows: all vectorised.
+    # Decode rows: a handful of vectorised gathers over the persistent batch.
     pos_d = b.num_computed[d]
     input_ids[:num_d] = b.last_token[d]
     positions[:num_d] = pos_d
+    slot_mapping[:num_d] = b.block_table[d, pos_d // bs] * bs + pos_d % bs
     seq_lens = pos_d + 1
     width = int(-(-seq_lens.max() // bs)) if num_d else 0
     decode_bt = b.block_table[d, :width]
 
-    # Prefill chunks: one slice each.
+    # Prefill chunks: one slice each (a step holds few: the token budget bounds them).
     prefills = []
-    sample_rows = [np.arange(num_d)]
-    sample_slots = [d]
-    prompt_lp_rows = []
+    sample_rows, sample_slots, prompt_lp_rows = [], [], []
     row = num_d
-    chunk_slots = []
     for req, start, n in sched.prefills:
         s = req.slot
         end = start + n
+        pos = np.arange(start, end)
         input_ids[row : row + n] = b.tokens(req, start, end)
-        positions[row : row + n] = np.arange(start, end)
+        positions[row : row + n] = pos
+        slot_mapping[row : row + n] = b.block_table[s, pos // bs] * bs + pos % bs
         prefills.append((row, n, end, b.block_table[s, : -(-end // bs)]))
         if req.params.prompt_logprobs is not None:
             last = min(end, req.num_prompt_tokens - 1)  # positions that predict a prompt token
             if last > start:
                 targets = np.asarray(req.prompt[start + 1 : last + 1], np.int64)
                 prompt_lp_rows.append((req.request_id, row, targets, req.params.prompt_logprobs))
-        if end == b.num_tokens[s]:
-            sample_rows.append(np.array([row + n - 1]))
-            chunk_slots.append(s)
+        if end == b.num_tokens[s]:  # the chunk completes the known tokens: it samples
+            sample_rows.append(row + n - 1)
+            sample_slots.append(s)
         row += n
-    if chunk_slots:
-        sample_slots.append(np.asarray(chunk_slots, np.int64))
-    sample_slots = np.concatenate(sample_slots)
-    slot_of_row = np.concatenate([d] + [np.full(n, req.slot) for req, _, n in sched.prefills]) if sched.prefills else d
-    slot_mapping = b.block_table[slot_of_row, positions // bs] * bs + positions % bs
+    logits_indices = np.arange(num_d)
+    if sample_rows:
+        logits_indices = np.concatenate((logits_indices, sample_rows))
+        d = np.concatenate((d, np.asarray(sample_slots, np.int64)))
     return ModelInput(
         input_ids=input_ids,
         positions=positions,
@@ -105,33 +100,33 @@ def build_model_input(
         decode_block_table=decode_bt,
         decode_seq_lens=seq_lens,
         prefills=prefills,
-        logits_indices=np.concatenate(sample_rows),
-        sample_slots=sample_slots,
-        sampling=_sampling_metadata(b, sample_slots, generators, eos_ids),
+        logits_indices=logits_indices,
+        sample_slots=d,
+        sampling=_sampling_metadata(b, d, generators),
         prompt_logprob_rows=prompt_lp_rows,
     )
 
 
-def _sampling_metadata(b: BatchState, slots: np.ndarray, generators, eos_ids) -> SamplingMetadata:
+def _sampling_metadata(b: BatchState, slots: np.ndarray, generators) -> SamplingMetadata:
     temp = b.temperature[slots]
-    top_k, top_p, min_p = b.top_k[slots], b.top_p[slots], b.min_p[slots]
     random_rows = temp > 0
+    all_greedy = not random_rows.any()
+    top_k, top_p, min_p = b.top_k[slots], b.top_p[slots], b.min_p[slots]
     meta = SamplingMetadata(
         temperature=torch.from_numpy(temp),
         top_k=torch.from_numpy(top_k),
         top_p=torch.from_numpy(top_p),
         min_p=torch.from_numpy(min_p),
-        all_greedy=not random_rows.any(),
-        any_top_k=bool((random_rows & (top_k > 0)).any()),
-        any_top_p=bool((random_rows & (top_p < 1)).any()),
-        any_min_p=bool((random_rows & (min_p > 0)).any()),
+        all_greedy=all_greedy,
+        any_top_k=not all_greedy and bool((random_rows & (top_k > 0)).any()),
+        any_top_p=not all_greedy and bool((random_rows & (top_p < 1)).any()),
+        any_min_p=not all_greedy and bool((random_rows & (min_p > 0)).any()),
         max_num_logprobs=int(b.num_logprobs[slots].max()) if len(slots) else -1,
     )
-    if b.seeded[slots].any():
+    if not all_greedy:
         for row in np.flatnonzero(b.seeded[slots]):
             meta.generators[int(row)] = generators[int(b.request_id[slots[row]])]
-    penalized = (b.repetition_penalty[slots] != 1) | (b.presence_penalty[slots] != 0) | (b.frequency_penalty[slots] != 0)
-    for row in np.flatnonzero(penalized):
+    for row in np.flatnonzero(b.penalized[slots]):
         s = slots[row]
         req = b.requests[s]
         meta.penalties.append((
@@ -139,10 +134,8 @@ def _sampling_metadata(b: BatchState, slots: np.ndarray, generators, eos_ids) ->
             float(b.repetition_penalty[s]), float(b.presence_penalty[s]), float(b.frequency_penalty[s]),
         ))
     under_min = b.num_tokens[slots] < b.min_total[slots]
-    for row in np.flatnonzero(under_min):
-        s = slots[row]
-        stops = [int(t) for t in b.stop_ids[s] if t >= 0]
-        meta.banned.append((int(row), stops + ([] if b.ignore_eos[s] else eos_ids)))
+    for row in np.flatnonzero(under_min):  # min_tokens: stop ids (EOS included) cannot be sampled yet
+        meta.banned.append((int(row), [int(t) for t in b.stop_ids[slots[row]] if t >= 0]))
     return meta
 
 

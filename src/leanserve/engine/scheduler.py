@@ -100,6 +100,16 @@ class Scheduler:
         preempted: list[Request] = []
         slots = self._slots()
         n = np.zeros(0, np.int64)
+        if len(slots) and len(slots) <= budget:
+            # Steady state: every running request decodes one token. Only requests whose next
+            # token opens a new block touch Python.
+            computed = b.num_computed[slots]
+            if (b.num_tokens[slots] - computed == 1).all():
+                grow = slots[b.num_blocks[slots] * bs == computed]
+                if len(grow) <= self.pool.num_free:
+                    for s in grow:
+                        b.append_blocks(s, self._allocate(b.requests[s], 1))
+                    return ScheduledBatch(slots, self._admit(budget - len(slots)))
         if len(slots):
             remaining = b.num_tokens[slots] - b.num_computed[slots]
             before = np.cumsum(remaining) - remaining
