@@ -48,6 +48,9 @@ class BatchState:
         self.presence_penalty = np.zeros(s, np.float32)
         self.frequency_penalty = np.zeros(s, np.float32)
         self.penalized = np.zeros(s, np.bool_)  # any of the three penalties set
+        # Anything beyond plain sampling (penalties, min_tokens, logprobs): one flag, so a batch
+        # without such requests skips all of those checks.
+        self.special = np.zeros(s, np.bool_)
         self.num_logprobs = np.full(s, -1, np.int64)
         self.seeded = np.zeros(s, np.bool_)
         self._free_slots = list(range(s - 1, -1, -1))
@@ -90,6 +93,7 @@ class BatchState:
         self.presence_penalty[slot] = p.presence_penalty
         self.frequency_penalty[slot] = p.frequency_penalty
         self.penalized[slot] = p.uses_penalties
+        self.special[slot] = p.uses_penalties or p.min_tokens > 0 or p.logprobs is not None
         self.num_logprobs[slot] = -1 if p.logprobs is None else p.logprobs
         self.seeded[slot] = req.seed is not None
         return slot

@@ -187,9 +187,8 @@ class EngineCore:
         d = sched.decode_slots
         # 1. computed counters and newly full blocks (registered in the prefix cache)
         if len(d):
-            new = b.num_computed[d] + 1
-            b.num_computed[d] = new
-            for s in d[new % bs == 0]:
+            b.num_computed[d] += 1  # slots are unique, so fancy-indexed += is exact
+            for s in d[b.num_computed[d] % bs == 0]:
                 sch.register_full_blocks(b.requests[s], int(b.num_computed[s]) - 1, int(b.num_computed[s]))
         for req, start, n in sched.prefills:
             b.num_computed[req.slot] = start + n

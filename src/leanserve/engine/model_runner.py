@@ -110,22 +110,18 @@ def build_model_input(b: BatchState, sched: ScheduledBatch, generators: dict[int
 def _sampling_metadata(b: BatchState, slots: np.ndarray, generators) -> SamplingMetadata:
     temp = b.temperature[slots]
     random_rows = temp > 0
-    all_greedy = not random_rows.any()
-    top_k, top_p, min_p = b.top_k[slots], b.top_p[slots], b.min_p[slots]
-    meta = SamplingMetadata(
-        temperature=torch.from_numpy(temp),
-        top_k=torch.from_numpy(top_k),
-        top_p=torch.from_numpy(top_p),
-        min_p=torch.from_numpy(min_p),
-        all_greedy=all_greedy,
-        any_top_k=not all_greedy and bool((random_rows & (top_k > 0)).any()),
-        any_top_p=not all_greedy and bool((random_rows & (top_p < 1)).any()),
-        any_min_p=not all_greedy and bool((random_rows & (min_p > 0)).any()),
-        max_num_logprobs=int(b.num_logprobs[slots].max()) if len(slots) else -1,
-    )
-    if not all_greedy:
+    meta = SamplingMetadata(temperature=torch.from_numpy(temp), all_greedy=not random_rows.any())
+    if not meta.all_greedy:
+        top_k, top_p, min_p = b.top_k[slots], b.top_p[slots], b.min_p[slots]
+        meta.top_k, meta.top_p, meta.min_p = torch.from_numpy(top_k), torch.from_numpy(top_p), torch.from_numpy(min_p)
+        meta.any_top_k = bool((random_rows & (top_k > 0)).any())
+        meta.any_top_p = bool((random_rows & (top_p < 1)).any())
+        meta.any_min_p = bool((random_rows & (min_p > 0)).any())
         for row in np.flatnonzero(b.seeded[slots]):
             meta.generators[int(row)] = generators[int(b.request_id[slots[row]])]
+    if not b.special[slots].any():
+        return meta
+    meta.max_num_logprobs = int(b.num_logprobs[slots].max())
     for row in np.flatnonzero(b.penalized[slots]):
         s = slots[row]
         req = b.requests[s]
@@ -163,8 +159,10 @@ class ModelRunner:
         extra = [np.arange(r0, r0 + len(t)) for _, r0, t, _ in inp.prompt_logprob_rows]
         if extra:
             rows = np.concatenate([rows, *extra])
+        # All rows sample (a pure decode step): no gather of hidden states before the head.
+        rows_t = None if len(rows) == inp.num_tokens and not extra else self._t(rows)
         t0 = time.perf_counter()
-        logits = self.model(self._t(inp.input_ids), self._t(inp.positions), self.kv.tensor, meta, self._t(rows))
+        logits = self.model(self._t(inp.input_ids), self._t(inp.positions), self.kv.tensor, meta, rows_t)
         t1 = time.perf_counter()
         n_sample = len(inp.logits_indices)
         prompt_lps = self._prompt_logprobs(logits[n_sample:], inp.prompt_logprob_rows) if extra else {}

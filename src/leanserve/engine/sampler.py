@@ -17,13 +17,14 @@ import torch
 @dataclass
 class SamplingMetadata:
     temperature: torch.Tensor  # [R] float32; 0 = greedy
-    top_k: torch.Tensor  # [R] int64; 0 = off
-    top_p: torch.Tensor  # [R] float32
-    min_p: torch.Tensor  # [R] float32
     all_greedy: bool
-    any_top_k: bool
-    any_top_p: bool
-    any_min_p: bool
+    # Filled only when some row samples randomly:
+    top_k: torch.Tensor | None = None  # [R] int64; 0 = off
+    top_p: torch.Tensor | None = None  # [R] float32
+    min_p: torch.Tensor | None = None  # [R] float32
+    any_top_k: bool = False
+    any_top_p: bool = False
+    any_min_p: bool = False
     generators: dict[int, torch.Generator] = field(default_factory=dict)  # row -> seeded generator
     # rows with penalties: (row, prompt ids, output ids, repetition, presence, frequency)
     penalties: list[tuple[int, torch.Tensor, torch.Tensor, float, float, float]] = field(default_factory=list)
