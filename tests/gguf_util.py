@@ -104,3 +104,53 @@ def tiny_llama(hidden: int = 256, layers: int = 1, vocab: int = 49152):
         tie_word_embeddings=False, initializer_range=0.3,
     )
     return transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+
+
+SPM_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.", "Hello world! How are you today?",
+    "def f(x):\n    return x * 2", "Numbers 12345 and 3.14159", "café naïve résumé",
+]
+
+
+def write_sentencepiece_gguf(path: str) -> None:
+    """A GGUF whose vocabulary is a SentencePiece BPE model (tokenizer.ggml.model = "llama"),
+    trained here on a small corpus, with scores and token types as llama.cpp writes them."""
+    import io
+
+    import sentencepiece as spm
+
+    proto = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(SPM_CORPUS * 200), model_writer=proto, vocab_size=400, model_type="bpe",
+        byte_fallback=True, character_coverage=1.0, bos_id=1, eos_id=2, unk_id=0, pad_id=-1, minloglevel=2,
+    )
+    sp = spm.SentencePieceProcessor(model_proto=proto.getvalue())
+    tokens = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+    scores = [sp.get_score(i) for i in range(sp.get_piece_size())]
+    # llama.cpp token types: 1 normal, 2 unknown, 3 control, 6 byte
+    types = [2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i) else 1
+             for i in range(sp.get_piece_size())]
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_block_count(1)
+    w.add_context_length(64)
+    w.add_embedding_length(64)
+    w.add_feed_forward_length(128)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(len(tokens))
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(True)
+    w.add_tensor("token_embd.weight", np.zeros((len(tokens), 64), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

@@ -251,3 +251,55 @@ def test_iteration_stats_are_recorded(tiny):
     for name in ("host_step_ms", "forward_ms", "schedule_ms", "prepare_ms", "sample_ms", "output_ms"):
         assert 0 <= s[name]["p50"] <= s[name]["p95"] <= s[name]["p99"]
     assert s["host_step_ms"]["p50"] >= s["forward_ms"]["p50"]
+
+
+def test_stream_yields_the_same_text_as_generate(tiny):
+    prompt = prompts_of([12], seed=13)[0]
+    p = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    with make_llm(tiny) as llm:
+        full = llm.generate([prompt], p)[0].outputs[0]
+        deltas = list(llm.stream(prompt, p))
+    assert "".join(d.text for d in deltas) == full.text
+    assert [t for d in deltas for t in d.token_ids] == full.token_ids
+    assert deltas[-1].finish_reason == "length"
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_dir(tiny, default_model, tmp_path_factory):
+    import shutil
+
+    from leanserve.model.gguf_file import GGUFFile
+
+    from .server_util import write_chat_template
+
+    path = str(tmp_path_factory.mktemp("tinychat") / "m")
+    shutil.copytree(tiny, path)
+    write_chat_template(path, GGUFFile(default_model).metadata["tokenizer.chat_template"])
+    return path
+
+
+def _cli(*args, stdin=None):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "leanserve.cli", *args], input=stdin, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_cli_generate_and_chat(tiny_chat_dir):
+    gen = _cli("generate", "Hello there", tiny_chat_dir, "--dtype", "float32", "--max-tokens", "8",
+               "--kv-cache-memory", "16M")
+    assert gen.returncode == 0, gen.stderr
+    with LLM(tiny_chat_dir, dtype="float32", kv_cache_memory=16 << 20) as llm:
+        expected = llm.generate("Hello there", SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
+    assert gen.stdout == expected + "\n"
+    chat = _cli("chat", tiny_chat_dir, "--dtype", "float32", "--max-tokens", "6", "--kv-cache-memory", "16M",
+                stdin="hi\nand again\n\n")
+    assert chat.returncode == 0, chat.stderr
+    assert chat.stdout.count("> ") >= 2  # answered both turns, then quit on the empty line
+
+
+def test_cli_bad_model_is_one_line():
+    r = _cli("generate", "x", "/nonexistent/model.gguf")
+    assert r.returncode == 2
+    assert r.stderr.strip() == "leanserve: error: model path does not exist: /nonexistent/model.gguf"

@@ -117,3 +117,28 @@ def test_stop_string_never_leaks_partially(default_tokenizer):
     ids = default_tokenizer.encode("one two three").tolist()
     deltas, text = stream_text(default_tokenizer, ids, stop=["two thr"])
     assert text == "one " and "".join(deltas) == "one "
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_pair(tmp_path_factory):
+    """(ours, transformers') tokenizers of one SentencePiece-vocabulary GGUF file."""
+    from transformers import AutoTokenizer
+
+    from leanserve.tokenizer import Tokenizer
+
+    from .gguf_util import write_sentencepiece_gguf
+
+    path = tmp_path_factory.mktemp("spm") / "spm.gguf"
+    write_sentencepiece_gguf(str(path))
+    return Tokenizer.from_pretrained(str(path)), AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+@pytest.mark.parametrize("text", CORPUS + ["  two spaces", " lead", "trail  ", "a\n\nb", "<s>x</s>"])
+def test_sentencepiece_gguf_matches_transformers(text, sentencepiece_pair):
+    ours, ref = sentencepiece_pair
+    ids = ours.encode(text).tolist()
+    assert ids == ref(text)["input_ids"]
+    assert ids[0] == 1  # add_bos_token
+    assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True)
+    deltas, joined = stream_text(ours, ids)
+    assert "".join(deltas) == joined == ours.decode(ids)

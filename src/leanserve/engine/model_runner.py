@@ -154,6 +154,7 @@ class ModelRunner:
             self._t(inp.decode_seq_lens) if len(inp.decode_seq_lens) else None,
             [(start, n, ctx, self._t(blocks)) for start, n, ctx, blocks in inp.prefills],
             bs,
+            self.kv.tensor.dtype,
         )
         rows = inp.logits_indices
         extra = [np.arange(r0, r0 + len(t)) for _, r0, t, _ in inp.prompt_logprob_rows]

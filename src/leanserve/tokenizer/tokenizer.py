@@ -12,7 +12,7 @@ import json
 import os
 
 import numpy as np
-from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
 from ..model.config import ModelLoadError
@@ -192,9 +192,10 @@ def _sentencepiece_bpe(tokens: list[str], scores, meta: dict) -> HFTokenizer:
         )
     )
     prefix = meta.get("tokenizer.ggml.add_space_prefix", True)
-    tok.normalizer = normalizers.Sequence(
-        ([normalizers.Prepend("▁")] if prefix else []) + [normalizers.Replace(" ", "▁")]
-    )
+    # Spaces become "▁"; the word-initial "▁" is added only where the text does not already
+    # start with one (transformers' Llama tokenizer behaves the same).
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first" if prefix else "never",
+                                                 split=False)
     tok.decoder = decoders.Sequence(
         [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
         + ([decoders.Strip(" ", 1, 0)] if prefix else [])
