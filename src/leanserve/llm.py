@@ -48,12 +48,12 @@ class StreamDelta:
 
 
 class LLM:
-    def __init__(self, model: str | None = None, *, tokenizer: Tokenizer | None = None, engine_model=None,
-                 **engine_args):
-        path = resolve_model_path(model) if engine_model is None or model else model
-        self.tokenizer = tokenizer or Tokenizer.from_pretrained(path)
-        self.engine = EngineCore(EngineConfig(model=path, **engine_args), model=engine_model,
-                                 eos_token_ids=self.tokenizer.eos_token_ids)
+    def __init__(self, model: str | None = None, **engine_args):
+        """``model``: a GGUF file or HF directory (default: SmolLM2-135M-Instruct); ``engine_args``:
+        any EngineConfig field (dtype, max_num_seqs, kv_cache_memory, ...)."""
+        path = resolve_model_path(model)
+        self.tokenizer = Tokenizer.from_pretrained(path)
+        self.engine = EngineCore(EngineConfig(model=path, **engine_args), eos_token_ids=self.tokenizer.eos_token_ids)
         self.client = InprocClient(self.engine)
 
     def close(self) -> None:
