@@ -3,7 +3,6 @@ validation and sampling features, driven through the real engine."""
 
 from __future__ import annotations
 
-import threading
 import time
 
 import numpy as np
