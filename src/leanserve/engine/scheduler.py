@@ -59,34 +59,36 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
-    def finish(self, req: Request, status: Status = Status.FINISHED) -> None:
-        """Removes a request wherever it is and frees its blocks and slot."""
+    def finish(self, req: Request) -> None:
+        """Removes a request wherever it is (aborts, failures) and frees its blocks and slot."""
         if req.status == Status.RUNNING:
             self.running.remove(req)
             self._running_slots = None
-            self.batch.remove(req.slot)
-            req.slot = -1
-        elif req.status == Status.WAITING:
-            try:
+            self._release(req)
+        else:
+            if req.status == Status.WAITING and req in self.waiting:
                 self.waiting.remove(req)
-            except ValueError:
-                pass
-        self.pool.free(req.block_ids)
-        req.block_ids = []
-        req.status = status
+            self.pool.free(req.block_ids)
+            req.block_ids = []
+        req.status = Status.FINISHED
 
     def finish_slots(self, slots: np.ndarray) -> list[Request]:
+        """Finishes the running requests in these slots (one pass over the running list)."""
         reqs = [self.batch.requests[s] for s in slots]
         gone = set(map(id, reqs))
         self.running = [r for r in self.running if id(r) not in gone]
         self._running_slots = None
         for r in reqs:
-            self.batch.remove(r.slot)
-            r.slot = -1
-            self.pool.free(r.block_ids)
-            r.block_ids = []
+            self._release(r)
             r.status = Status.FINISHED
         return reqs
+
+    def _release(self, req: Request) -> None:
+        """A running request gives back its batch slot and KV blocks."""
+        self.batch.remove(req.slot)
+        req.slot = -1
+        self.pool.free(req.block_ids)
+        req.block_ids = []
 
     # ------------------------------------------------------------------ scheduling
     def _slots(self) -> np.ndarray:
@@ -167,10 +169,7 @@ class Scheduler:
         b = self.batch
         req.saved_output = b.output_tokens(req.slot).copy()
         self.running.remove(req)
-        b.remove(req.slot)
-        req.slot = -1
-        self.pool.free(req.block_ids)
-        req.block_ids = []
+        self._release(req)
         req.num_computed_tokens = 0
         req.status = Status.WAITING
         req.num_preemptions += 1
