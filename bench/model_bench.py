@@ -49,7 +49,7 @@ def gemm_gflops(dtype, m: int, k: int = 576, n: int = 1536, reps: int = 30) -> f
 
 
 def forward_ms(model, batch: int, context: int, prefill: int = 0, reps: int = 5) -> float:
-    from leanserve.model.attention import AttentionMetadata
+    from leanserve.model.attention import AttentionMetadata, DecodeMaskTable
 
     cfg, bs = model.config, 16
     per_seq = -(-max(context, prefill) // bs) + 1
@@ -58,12 +58,13 @@ def forward_ms(model, batch: int, context: int, prefill: int = 0, reps: int = 5)
     tables = torch.arange(1, nblocks).view(batch, per_seq)
     if prefill:
         n = prefill
-        meta = AttentionMetadata.build(torch.arange(bs, bs + n), None, None, [(0, n, n, None)], bs)
+        meta = AttentionMetadata.build(torch.arange(bs, bs + n), None, None, [(0, n, n, None)])
         args = (torch.randint(0, 40000, (n,)), torch.arange(n), kv, meta, torch.tensor([n - 1]))
     else:
         pos = torch.full((batch,), context - 1)
         slots = tables[:, (context - 1) // bs] * bs + (context - 1) % bs
-        meta = AttentionMetadata.build(slots, tables, pos + 1, [], bs)
+        mask = DecodeMaskTable(kv.dtype, kv.device)(pos + 1, tables.shape[1] * bs)
+        meta = AttentionMetadata.build(slots, tables, mask, [])
         args = (torch.randint(0, 40000, (batch,)), pos, kv, meta, None)
     model(*args)
     times = []

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..model.attention import AttentionMetadata
+from ..model.attention import AttentionMetadata, DecodeMaskTable
 from ..model.transformer import Transformer
 from .batch_state import BatchState
 from .kv_cache import KVCache
@@ -141,20 +141,20 @@ class ModelRunner:
         self.kv = kv_cache
         self.device = torch.device(device)
         self.sampler = Sampler(self.device, seed)
+        self.decode_masks = DecodeMaskTable(kv_cache.tensor.dtype, self.device)
 
     def _t(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a).to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def execute(self, inp: ModelInput) -> ModelOutput:
-        bs = self.kv.block_size
+        decoding = len(inp.decode_block_table) > 0
         meta = AttentionMetadata.build(
             self._t(inp.slot_mapping),
-            self._t(inp.decode_block_table) if len(inp.decode_block_table) else None,
-            self._t(inp.decode_seq_lens) if len(inp.decode_seq_lens) else None,
+            self._t(inp.decode_block_table) if decoding else None,
+            self.decode_masks(self._t(inp.decode_seq_lens), inp.decode_block_table.shape[1] * self.kv.block_size)
+            if decoding else None,
             [(start, n, ctx, self._t(blocks)) for start, n, ctx, blocks in inp.prefills],
-            bs,
-            self.kv.tensor.dtype,
         )
         rows = inp.logits_indices
         extra = [np.arange(r0, r0 + len(t)) for _, r0, t, _ in inp.prompt_logprob_rows]

@@ -40,23 +40,13 @@ class AttentionMetadata:
         cls,
         slot_mapping: torch.Tensor,
         decode_block_ids: torch.Tensor | None,
-        decode_seq_lens: torch.Tensor | None,
+        decode_mask: torch.Tensor | None,
         prefills: list[tuple[int, int, int, torch.Tensor | None]],
-        block_size: int,
-        mask_dtype: torch.dtype = torch.float32,
     ) -> "AttentionMetadata":
-        """``prefills`` holds (start, length, context_len, block_ids) per chunk."""
+        """``decode_mask`` is [D, width] additive float (see :class:`DecodeMaskTable`);
+        ``prefills`` holds (start, length, context_len, block_ids) per chunk."""
         device = slot_mapping.device
-        decode_mask = None
-        num_decode = 0
-        if decode_block_ids is not None and decode_block_ids.shape[0]:
-            num_decode = decode_block_ids.shape[0]
-            width = decode_block_ids.shape[1] * block_size
-            beyond = torch.arange(width, device=device) >= decode_seq_lens[:, None]
-            # Additive float mask, built once per step for all layers: SDPA runs ~15% faster on
-            # it than on a bool mask, which it would convert in every layer.
-            decode_mask = torch.zeros(beyond.shape, dtype=mask_dtype, device=device).masked_fill_(
-                beyond, float("-inf"))[:, None, None, :]
+        num_decode = 0 if decode_block_ids is None else decode_block_ids.shape[0]
         chunks = []
         for start, length, context_len, block_ids in prefills:
             if context_len == length:
@@ -65,7 +55,35 @@ class AttentionMetadata:
             q_pos = torch.arange(context_len - length, context_len, device=device)
             mask = torch.arange(context_len, device=device)[None, :] <= q_pos[:, None]
             chunks.append(PrefillChunk(start, length, context_len, block_ids, mask))
-        return cls(slot_mapping, num_decode, decode_block_ids, decode_mask, chunks)
+        mask = decode_mask[:, None, None, :] if num_decode else None
+        return cls(slot_mapping, num_decode, decode_block_ids if num_decode else None, mask, chunks)
+
+
+class DecodeMaskTable:
+    """Additive attention masks for decode rows, by sequence length.
+
+    Row L of the table is 0 for key positions < L and -inf after, so a step's mask is one row
+    gather (``index_select``) instead of building a [rows, width] tensor from scratch in three
+    full-size ops (~0.3 ms per step at 256 rows here). SDPA is also ~15% faster on a float mask
+    than on a bool one. The table grows by doubling, up to ``max_width`` columns; wider steps
+    build their mask directly.
+    """
+
+    def __init__(self, dtype: torch.dtype, device, max_width: int = 2048):
+        self.dtype, self.device, self.max_width = dtype, device, max_width
+        self.table = torch.empty(0, 0, dtype=dtype, device=device)
+
+    def __call__(self, seq_lens: torch.Tensor, width: int) -> torch.Tensor:
+        if width > self.max_width:
+            beyond = torch.arange(width, device=self.device) >= seq_lens[:, None]
+            return torch.zeros(beyond.shape, dtype=self.dtype, device=self.device).masked_fill_(beyond, float("-inf"))
+        if self.table.shape[1] < width:
+            n = min(self.max_width, max(width, 2 * self.table.shape[1], 64))
+            cols = torch.arange(n, device=self.device)
+            lens = torch.arange(n + 1, device=self.device)
+            self.table = torch.zeros(n + 1, n, dtype=self.dtype, device=self.device).masked_fill_(
+                cols[None, :] >= lens[:, None], float("-inf"))
+        return self.table[:, :width].index_select(0, seq_lens)
 
 
 def paged_attention(
