@@ -101,7 +101,6 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         preempted: list[Request] = []
         slots = self._slots()
-        n = np.zeros(0, np.int64)
         if len(slots) and len(slots) <= budget:
             # Steady state: every running request decodes one token. Only requests whose next
             # token opens a new block touch Python.
@@ -213,10 +212,9 @@ class Scheduler:
         return out
 
     def _may_use_cache(self, req: Request) -> bool:
-        # Prompt logprobs need every prompt position computed, so such requests skip the cache.
-        return (self.enable_prefix_caching or req.prefix_parent is not None or req.params.n > 1) and (
-            req.params.prompt_logprobs is None
-        )
+        # n > 1 samples share their prompt's blocks even with prefix caching off. Prompt logprobs
+        # need every prompt position computed, so such requests skip the cache.
+        return (self.enable_prefix_caching or req.params.n > 1) and req.params.prompt_logprobs is None
 
     def _lookup(self, req: Request, total: int) -> list[int]:
         """Block ids of the longest cached prefix, leaving at least one token to compute."""

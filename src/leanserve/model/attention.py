@@ -75,15 +75,15 @@ class DecodeMaskTable:
 
     def __call__(self, seq_lens: torch.Tensor, width: int) -> torch.Tensor:
         if width > self.max_width:
-            beyond = torch.arange(width, device=self.device) >= seq_lens[:, None]
-            return torch.zeros(beyond.shape, dtype=self.dtype, device=self.device).masked_fill_(beyond, float("-inf"))
+            return self._build(seq_lens, width)
         if self.table.shape[1] < width:
             n = min(self.max_width, max(width, 2 * self.table.shape[1], 64))
-            cols = torch.arange(n, device=self.device)
-            lens = torch.arange(n + 1, device=self.device)
-            self.table = torch.zeros(n + 1, n, dtype=self.dtype, device=self.device).masked_fill_(
-                cols[None, :] >= lens[:, None], float("-inf"))
+            self.table = self._build(torch.arange(n + 1, device=self.device), n)
         return self.table[:, :width].index_select(0, seq_lens)
+
+    def _build(self, seq_lens: torch.Tensor, width: int) -> torch.Tensor:
+        beyond = torch.arange(width, device=self.device)[None, :] >= seq_lens[:, None]
+        return torch.zeros(beyond.shape, dtype=self.dtype, device=self.device).masked_fill_(beyond, float("-inf"))
 
 
 def paged_attention(
