@@ -302,3 +302,17 @@ def test_cli_bad_model_is_one_line():
     r = _cli("generate", "x", "/nonexistent/model.gguf")
     assert r.returncode == 2
     assert r.stderr.strip() == "leanserve: error: model path does not exist: /nonexistent/model.gguf"
+
+
+def test_stop_strings_offline(default_model):
+    p = SamplingParams(temperature=0.0, max_tokens=16)
+    with make_llm(default_model) as llm:
+        full = llm.generate("Count: 1, 2, 3,", p)[0].outputs[0]
+        stop = full.text.strip().split(",")[1]
+        ps = SamplingParams(temperature=0.0, max_tokens=16, stop=[stop])
+        out = llm.generate("Count: 1, 2, 3,", ps)[0].outputs[0]
+        streamed = list(llm.stream("Count: 1, 2, 3,", ps))
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == full.text[: full.text.index(stop)]
+    assert out.token_ids == full.token_ids[: len(out.token_ids)]
+    assert "".join(d.text for d in streamed) == out.text and streamed[-1].finish_reason == "stop"

@@ -15,7 +15,6 @@ from .engine.client import InprocClient, RequestStream
 from .engine.config import EngineConfig
 from .engine.core import EngineCore
 from .engine.params import SamplingParams
-from .engine.request import FinishReason
 from .model.loader import resolve_model_path
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -122,16 +121,13 @@ class LLM:
         for ev in stream:
             if ev.error:
                 raise RuntimeError(ev.error)
-            delta = detok.add([ev.token_id]) if ev.token_id >= 0 else ""
-            reason = ev.finish_reason.openai
+            delta, finish = detok.step(ev.token_id, ev.finish_reason.openai)
             if detok.stopped_on is not None:
                 self.client.abort([stream.request_id])
-                yield StreamDelta(0, delta, [ev.token_id], "stop")
+            if delta or finish or ev.token_id >= 0:
+                yield StreamDelta(0, delta, [ev.token_id] if ev.token_id >= 0 else [], finish)
+            if finish:
                 return
-            if reason:
-                delta += detok.flush()
-            if delta or reason or ev.token_id >= 0:
-                yield StreamDelta(0, delta, [ev.token_id] if ev.token_id >= 0 else [], reason)
 
     def _detokenizer(self, p: SamplingParams) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens, p.stop, p.include_stop_str_in_output)
@@ -143,25 +139,23 @@ class LLM:
         for i, stream in enumerate(streams):
             detok = self._detokenizer(p)
             tokens, lps = [], [] if p.logprobs is not None else None
-            reason, stop_str = None, None
+            finish = None
             for ev in stream:
                 if ev.error:
                     raise RuntimeError(f"request failed in the engine: {ev.error}")
                 cached = max(cached, ev.num_cached_tokens)
                 if ev.prompt_logprobs is not None and i == 0:
                     prompt_lps = (prompt_lps or []) + [ev.prompt_logprobs]
-                if ev.token_id >= 0 and detok.stopped_on is None:
+                if finish is not None:
+                    continue  # ended by a stop string: drain until the engine confirms the abort
+                _, finish = detok.step(ev.token_id, ev.finish_reason.openai)
+                if ev.token_id >= 0:
                     tokens.append(ev.token_id)
-                    detok.add([ev.token_id])
                     if lps is not None:
                         lps.append({"token_id": ev.token_id, "logprob": ev.logprob, "top": ev.top or []})
-                    if detok.stopped_on is not None:
-                        reason, stop_str = "stop", detok.stopped_on
-                        self.client.abort([stream.request_id])
-                if ev.finish_reason != FinishReason.NONE and reason is None:
-                    reason = ev.finish_reason.openai
-            detok.flush()
-            outputs.append(CompletionOutput(i, detok.text, tokens, reason, lps, stop_str))
+                if detok.stopped_on is not None:
+                    self.client.abort([stream.request_id])
+            outputs.append(CompletionOutput(i, detok.text, tokens, finish, lps, detok.stopped_on))
         return RequestOutput(text, ids, outputs, cached, _join_prompt_logprobs(prompt_lps))
 
 

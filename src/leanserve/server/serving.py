@@ -102,22 +102,18 @@ async def generate(state: ServerState, prompt: np.ndarray, params: SamplingParam
             if ev.prompt_logprobs is not None and i == 0:
                 usage.prompt_logprobs = (usage.prompt_logprobs or [None]) + _prompt_lp_rows(ev.prompt_logprobs)
             tokens, lps = [], None
-            delta = ""
             if ev.token_id >= 0:
                 cached = max(cached, ev.num_cached_tokens)
                 (metrics.ttft if last[i] is None else metrics.itl).observe(now - (last[i] or start))
                 last[i] = now
                 tokens = [ev.token_id]
                 usage.completion_tokens += 1
-                delta = detoks[i].add(tokens)
                 if params.logprobs is not None:
                     lps = [(ev.token_id, ev.logprob, ev.top or [])]
-            finish = ev.finish_reason.openai
+            delta, finish = detoks[i].step(ev.token_id, ev.finish_reason.openai)
             if detoks[i].stopped_on is not None:
-                finish = "stop"
                 engine.abort([ids[i]])
             if finish:
-                delta += detoks[i].flush()
                 live.discard(i)
                 metrics.e2e.observe(now - start)
                 metrics.request_finished(finish)

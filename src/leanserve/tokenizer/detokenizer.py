@@ -45,6 +45,17 @@ class IncrementalDetokenizer:
         self.text += delta
         return delta
 
+    def step(self, token_id: int, finish_reason: str | None) -> tuple[str, str | None]:
+        """One engine event (token_id -1: none; finish_reason: the engine's, or None): returns
+        the text to release and, if the choice ended, why. A stop string ends it with "stop"
+        (the caller aborts the engine request); the engine's own finish flushes what was held."""
+        delta = self.add([token_id]) if token_id >= 0 else ""
+        if self.stopped_on is not None:
+            return delta, "stop"
+        if finish_reason:
+            return delta + self.flush(), finish_reason
+        return delta, None
+
     def flush(self) -> str:
         """At the end of the request: release what was held back for stop matching."""
         if self.stopped_on is not None:
