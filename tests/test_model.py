@@ -11,6 +11,7 @@ import torch
 from leanserve import LLM, SamplingParams
 from leanserve.model import load_model
 from leanserve.model.attention import AttentionMetadata
+from leanserve.model.quant import SmallBatchInt8Linear
 
 from .conftest import ARCHS
 
@@ -27,7 +28,7 @@ def dense_logits(model, ids: list[int]) -> torch.Tensor:
     cfg = model.config
     block = 16
     blocks = -(-len(ids) // block) + 1
-    kv = torch.zeros(cfg.num_layers, 2, blocks, block, cfg.num_kv_heads, cfg.head_dim)
+    kv = torch.zeros(cfg.num_layers, 2, blocks, block, cfg.num_kv_heads, cfg.head_dim, dtype=model.norm.weight.dtype)
     n = len(ids)
     meta = AttentionMetadata.build(torch.arange(block, block + n), None, None, [(0, n, n, None)])
     return model(torch.tensor(ids), torch.arange(n), kv, meta)
@@ -129,3 +130,36 @@ def test_bfloat16_greedy_is_sane(tiny_model_dir):
     p = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     with LLM(path, dtype="float32", kv_cache_memory=8 << 20) as a, LLM(path, dtype="bfloat16", kv_cache_memory=8 << 20) as b:
         assert a.generate([ids], p)[0].outputs[0].token_ids[:4] == b.generate([ids], p)[0].outputs[0].token_ids[:4]
+
+
+def test_int8_weights_stay_close(default_model, default_tokenizer, smollm_reference):
+    """--quantization int8 (bf16 activations): teacher-forced along transformers' fp32 greedy
+    continuation, with every row through the int8 kernel, the top-1 token agrees at >= 90 % of
+    positions on average (>= 80 % per prompt) and logits stay within 3; generation through the
+    engine starts with the reference's tokens. Measured: 1.00 / 0.85 / 0.97 agreement, max |diff|
+    1.96; plain bf16 gives 0.97 / 0.94 / 0.97 (the code prompt has near-ties)."""
+    ours = load_model(default_model, "bfloat16", quantization="int8")
+    for m in ours.modules():
+        if isinstance(m, SmallBatchInt8Linear):
+            m.max_rows = 1 << 30
+    agree, worst = [], 0.0
+    for text in PROMPTS:
+        ids = default_tokenizer.encode(text).tolist()
+        full = ids + hf_greedy(smollm_reference, ids, 32)
+        with torch.no_grad():
+            ref = smollm_reference(torch.tensor([full])).logits[0, len(ids) - 1:]
+        got = dense_logits(ours, full)[len(ids) - 1:]
+        agree.append((got.argmax(-1) == ref.argmax(-1)).float().mean().item())
+        worst = max(worst, (got - ref).abs().max().item())
+    assert sum(agree) / len(agree) >= 0.9 and min(agree) >= 0.8 and worst < 3.0, (agree, worst)
+
+    prompts = [default_tokenizer.encode(t) for t in PROMPTS]
+    with LLM(default_model, dtype="bfloat16", quantization="int8", kv_cache_memory=64 << 20) as llm:
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    for ids, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(smollm_reference, ids.tolist(), 4)
+
+
+def test_unknown_quantization_is_rejected(default_model):
+    with pytest.raises(ValueError, match="quantization"):
+        load_model(default_model, "float32", quantization="int3")

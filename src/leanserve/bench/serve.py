@@ -35,6 +35,7 @@ class RequestResult:
     ttft: float = 0.0
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)
+    text: str = ""  # generated text, to count tokens where a server sends no usage chunk
     error: str = ""
 
 
@@ -71,7 +72,7 @@ async def one_request(c: httpx.AsyncClient, a, model: str, prompt: str, prompt_l
                       bar) -> RequestResult:
     r = RequestResult(prompt_len=prompt_len)
     body = {"model": model, "max_tokens": max_tokens, "stream": True, "temperature": 0.0,
-            "stream_options": {"include_usage": True}, "ignore_eos": a.ignore_eos}
+            "stream_options": {"include_usage": True}, "ignore_eos": a.ignore_eos} | a.extra_body
     if a.backend == "openai-chat":
         path = "/v1/chat/completions"
         body["messages"] = [{"role": "user", "content": prompt}]
@@ -99,6 +100,7 @@ async def one_request(c: httpx.AsyncClient, a, model: str, prompt: str, prompt_l
                     delta = choices[0].get("text") if a.backend == "openai" else (choices[0].get("delta") or {}).get(
                         "content")
                     if delta:
+                        r.text += delta
                         if r.ttft == 0.0:
                             r.ttft = now - start
                         else:
@@ -114,7 +116,7 @@ async def one_request(c: httpx.AsyncClient, a, model: str, prompt: str, prompt_l
     return r
 
 
-async def run_load(a, model: str, prompts) -> tuple[list[RequestResult], float]:
+async def run_load(a, model: str, prompts, tokenizer) -> tuple[list[RequestResult], float]:
     limits = httpx.Limits(max_connections=a.max_concurrency or len(prompts))
     sem = asyncio.Semaphore(a.max_concurrency or len(prompts))
     rng = np.random.default_rng(a.seed + 1)
@@ -138,6 +140,9 @@ async def run_load(a, model: str, prompts) -> tuple[list[RequestResult], float]:
         results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=a.timeout)
         duration = time.perf_counter() - start
     bar.close()
+    for r in results:
+        if r.ok and not r.output_tokens:  # no usage chunk from this server: count as vLLM's bench does
+            r.output_tokens = len(tokenizer.encode(r.text, add_special_tokens=False))
     return results, duration
 
 
@@ -230,6 +235,8 @@ def parse_args(argv=None):
     ap.add_argument("--request-rate", type=float, default=float("inf"))
     ap.add_argument("--burstiness", type=float, default=1.0)
     ap.add_argument("--ignore-eos", action="store_true")
+    ap.add_argument("--extra-body", type=json.loads, default={},
+                    help='JSON merged into every request body, e.g. \'{"logit_bias": {"2": -100}}\'')
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds for the whole run")
     ap.add_argument("--save-result", default=None, help="write the result JSON here")
@@ -239,6 +246,8 @@ def parse_args(argv=None):
         ap.error("--base-url: load is only sent to loopback addresses (127.0.0.1, localhost, ::1)")
     if a.dataset_name == "jsonl" and not a.dataset_path:
         ap.error("--dataset-path: required with --dataset-name jsonl")
+    if not isinstance(a.extra_body, dict):
+        ap.error("--extra-body: must be a JSON object")
     if a.num_prompts < 1 or a.num_prompts > 100_000:
         ap.error("--num-prompts: must be in [1, 100000]")
     return a
@@ -253,13 +262,13 @@ def main(argv=None) -> dict:
     model = a.model or httpx.get(a.base_url + "/v1/models", timeout=30).json()["data"][0]["id"]
     prompts = build_prompts(a, tokenizer)
     before = leanserve_iterations(a.base_url)
-    results, duration = asyncio.run(run_load(a, model, prompts))
+    results, duration = asyncio.run(run_load(a, model, prompts, tokenizer))
     summary = summarize(results, duration)
     engine = engine_window(a.base_url, before)
     print_block(summary, engine)
     out = {"args": {k: v for k, v in vars(a).items() if k != "request_rate"}, "request_rate": str(a.request_rate),
            "model": model, "summary": summary, "engine": engine,
-           "requests": [asdict(r) | {"itl": None} for r in results]}
+           "requests": [asdict(r) | {"itl": None, "text": None} for r in results]}
     if a.save_result:
         with open(a.save_result, "w") as f:
             json.dump(out, f, indent=1)

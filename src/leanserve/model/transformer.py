@@ -38,8 +38,8 @@ class Attention(nn.Module):
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias, device="meta")
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False, device="meta")
         for lin in (self.qkv_proj, self.o_proj):
             lin.weight = _empty(*lin.weight.shape, dtype=dtype, device=device)
             if lin.bias is not None:
@@ -68,8 +68,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype, device):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False, device="meta")
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False, device="meta")
         for lin in (self.gate_up_proj, self.down_proj):
             lin.weight = _empty(*lin.weight.shape, dtype=dtype, device=device)
 
@@ -99,10 +99,9 @@ class Transformer(nn.Module):
         self.embed_tokens.weight = _empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        if cfg.tie_word_embeddings:
-            self.lm_head_weight = self.embed_tokens.weight
-        else:
-            self.lm_head_weight = _empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device="meta")
+        self.lm_head.weight = (self.embed_tokens.weight if cfg.tie_word_embeddings
+                               else _empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device))
         # float32 rotary tables over the whole context; indexed by position each step.
         self.register_buffer("inv_freq", cfg.rope_inv_freq().to(device), persistent=False)
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -136,4 +135,4 @@ class Transformer(nn.Module):
         if logits_indices is not None:
             x = x[logits_indices]
         # Only the rows that sample reach the output head: ~20% of a small model's FLOPs.
-        return F.linear(self.norm(x), self.lm_head_weight).float()
+        return self.lm_head(self.norm(x)).float()

@@ -1,0 +1,274 @@
+"""leanserve side by side with llama.cpp and transformers: one command, same machine, same model
+file, same client, same workloads.
+
+    bash bench/setup_peers.sh          # once: builds the llama.cpp peers (~10 min on 2 cores)
+    .venv/bin/python bench/compare.py  # ~1 h on 2 cores for the full grid
+
+Engines, started one after another (never two at once), each given every core:
+  leanserve         `leanserve serve`, continuous batching over a paged KV cache
+  llama-server      llama.cpp's own OpenAI server, parallel slots = the largest concurrency,
+                    continuous batching (built from the llama.cpp vendored in llama-cpp-python)
+  llama-cpp-python  llama-cpp-python[server]: serves one request at a time (it has no slots)
+  transformers      bench/peers/transformers_server.py: static batches around HF generate-style
+                    decoding on the dequantized GGUF (a baseline, not a serving engine)
+
+Workloads: random prompts of --input-lens tokens, --output-len tokens out, EOS ignored, greedy,
+at each --concurrency, with max(--min-prompts, concurrency) requests. The client is
+`leanserve bench serve` (vLLM's metric definitions). Results go to bench/results/compare.{md,json,png}
+with the machine and versions; the ratio columns are leanserve / peer (above 1 = leanserve
+better for throughput and speed, below 1 = better for latency).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+PEERS = ROOT / "bench" / ".peers"
+RESULTS = ROOT / "bench" / "results"
+METRICS = [  # (key in the bench summary, label, higher is better)
+    ("output_throughput", "output tok/s", True),
+    ("p99_ttft_ms", "TTFT p99 ms", False),
+    ("median_tpot_ms", "TPOT p50 ms", False),
+    ("output_speed_p25", "per-request tok/s p25", True),
+]
+
+
+@dataclass
+class Engine:
+    name: str
+    command: list[str]
+    extra_body: dict
+    note: str
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def engines(a, port: int, eos_ids: list[int]) -> dict[str, Engine]:
+    threads = str(os.cpu_count())
+    slots = max(a.concurrency)
+    ctx_per_slot = max(a.input_lens) + a.output_len + 64
+    model = str(a.model)
+    return {
+        "leanserve": Engine("leanserve", [str(ROOT / ".venv/bin/leanserve"), "serve", model, "--port", str(port),
+                                          "--dtype", a.dtype, "--quantization", a.quantization,
+                                          "--max-num-seqs", str(slots)], {},
+                            f"dtype {a.dtype}, quantization {a.quantization}, max-num-seqs {slots}"),
+        "llama-server": Engine("llama-server", [str(PEERS / "llama-server"), "-m", model, "--host", "127.0.0.1",
+                                                "--port", str(port), "-np", str(slots), "-c",
+                                                str(slots * ctx_per_slot), "-t", threads, "-tb", threads,
+                                                "--no-webui", "--log-disable"], {},
+                               f"{slots} parallel slots x {ctx_per_slot} context, weights as in the GGUF"),
+        # llama-cpp-python's server has no ignore_eos: a logit bias keeps EOS from being sampled.
+        "llama-cpp-python": Engine("llama-cpp-python", [str(PEERS / "venv-llamacpp/bin/python"), "-m",
+                                                        "llama_cpp.server", "--model", model, "--host", "127.0.0.1",
+                                                        "--port", str(port), "--n_ctx", str(ctx_per_slot),
+                                                        "--n_threads", threads, "--n_threads_batch", threads,
+                                                        "--verbose", "False"],
+                                   {"logit_bias": {str(i): -100 for i in eos_ids}},
+                                   "one request at a time (no parallel slots)"),
+        "transformers": Engine("transformers", [str(ROOT / ".venv/bin/python"),
+                                                str(ROOT / "bench/peers/transformers_server.py"), "--model", model,
+                                                "--port", str(port), "--max-batch", str(slots), "--dtype",
+                                                a.hf_dtype], {},
+                               f"static batches up to {slots}, {a.hf_dtype}, dequantized GGUF"),
+    }
+
+
+def start(engine: Engine, port: int, log: Path) -> subprocess.Popen:
+    proc = subprocess.Popen(engine.command, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{engine.name} exited with {proc.returncode}; see {log}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    stop(proc)
+    raise RuntimeError(f"{engine.name} did not come up in 600 s; see {log}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        pass
+
+
+def run_workload(a, engine: Engine, port: int, input_len: int, concurrency: int) -> dict:
+    from leanserve.bench import serve
+
+    args = ["--base-url", f"http://127.0.0.1:{port}", "--tokenizer", str(a.model),
+            "--random-input-len", str(input_len), "--random-output-len", str(a.output_len),
+            "--num-prompts", str(max(a.min_prompts, concurrency)), "--max-concurrency", str(concurrency),
+            "--ignore-eos", "--seed", "0", "--no-progress", "--extra-body", json.dumps(engine.extra_body)]
+    return serve.main(args)["summary"]
+
+
+def machine() -> dict:
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.processor())
+    flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16")
+    return {"cpu": cpu, "cores": os.cpu_count(), "isa": [f for f in wanted if f in flags],
+            "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30),
+            "python": platform.python_version()}
+
+
+def versions(names: list[str]) -> dict:
+    import torch
+
+    import leanserve
+
+    out = {"torch": torch.__version__}
+    sha = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    out["leanserve"] = f"{leanserve.__version__} ({sha.stdout.strip()})"
+    if "llama-server" in names:
+        v = subprocess.run([str(PEERS / "llama-server"), "--version"], capture_output=True, text=True)
+        out["llama.cpp (llama-server)"] = (v.stdout + v.stderr).strip().splitlines()[0]
+    if "llama-cpp-python" in names:
+        v = subprocess.run([str(PEERS / "venv-llamacpp/bin/python"), "-c",
+                            "import llama_cpp; print(llama_cpp.__version__)"], capture_output=True, text=True)
+        out["llama-cpp-python"] = v.stdout.strip()
+    if "transformers" in names:
+        import transformers
+
+        out["transformers"] = transformers.__version__
+    return out
+
+
+def write_report(a, results: dict, notes: dict, info: dict) -> None:
+    names = list(results)
+    lines = ["# leanserve vs llama.cpp vs transformers", "",
+             f"Command: `.venv/bin/python bench/compare.py {' '.join(sys.argv[1:])}`".rstrip(), "",
+             f"Machine: {info['machine']['cpu']}, {info['machine']['cores']} cores, "
+             f"{info['machine']['memory_gb']} GiB, ISA: {', '.join(info['machine']['isa'])}; Python "
+             f"{info['machine']['python']}", "",
+             "Versions: " + "; ".join(f"{k} {v}" for k, v in info["versions"].items()), "",
+             f"Model: `{Path(a.model).name}`. Workload: random prompts, {a.output_len} output tokens, EOS ignored, "
+             f"greedy, max({a.min_prompts}, concurrency) requests per point; client `leanserve bench serve`.", "",
+             "Engines: " + "; ".join(f"**{n}** ({notes[n]})" for n in names), ""]
+    for input_len in a.input_lens:
+        lines += [f"## Input {input_len} tokens", "",
+                  "| concurrency | engine | " + " | ".join(label for _, label, _ in METRICS) + " |",
+                  "|---|---|" + "---|" * len(METRICS)]
+        for c in a.concurrency:
+            for n in names:
+                s = results[n].get(f"{input_len}/{c}")
+                cells = [f"{s[k]:,.1f}" if s else "-" for k, _, _ in METRICS]
+                lines.append(f"| {c} | {n} | " + " | ".join(cells) + " |")
+        peers = [n for n in names if n != "leanserve"]
+        if "leanserve" in results and peers:
+            lines += ["", "leanserve / peer:", "",
+                      "| concurrency | peer | " + " | ".join(label for _, label, _ in METRICS) + " |",
+                      "|---|---|" + "---|" * len(METRICS)]
+            for c in a.concurrency:
+                ours = results["leanserve"].get(f"{input_len}/{c}")
+                for n in peers:
+                    theirs = results[n].get(f"{input_len}/{c}")
+                    cells = [f"{ours[k] / theirs[k]:.2f}" if ours and theirs and theirs[k] else "-"
+                             for k, _, _ in METRICS]
+                    lines.append(f"| {c} | {n} | " + " | ".join(cells) + " |")
+        lines.append("")
+    lines += ["![output tokens/s vs concurrency](compare.png)", ""]
+    (RESULTS / "compare.md").write_text("\n".join(lines))
+    (RESULTS / "compare.json").write_text(json.dumps({"info": info, "results": results}, indent=1))
+    plot(a, results, info)
+
+
+def plot(a, results: dict, info: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(a.input_lens), figsize=(5.5 * len(a.input_lens), 4.2), squeeze=False)
+    for ax, input_len in zip(axes[0], a.input_lens):
+        for name, runs in results.items():
+            xs = [c for c in a.concurrency if f"{input_len}/{c}" in runs]
+            ax.plot(xs, [runs[f"{input_len}/{c}"]["output_throughput"] for c in xs], marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(a.concurrency, [str(c) for c in a.concurrency])
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel("output tokens/s")
+        ax.set_title(f"input {input_len}, output {a.output_len} tokens")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    m = info["machine"]
+    fig.suptitle(f"{Path(a.model).name} on {m['cpu']} ({m['cores']} cores)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "compare.png", dpi=110)
+
+
+def main() -> None:
+    from leanserve.model.loader import default_model_path
+    from leanserve.tokenizer import Tokenizer
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", type=Path, default=None, help="GGUF file (default: SmolLM2-135M-Instruct Q4_1)")
+    ap.add_argument("--engines", default="leanserve,llama-server,llama-cpp-python,transformers")
+    ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 64])
+    ap.add_argument("--input-lens", type=lambda s: [int(x) for x in s.split(",")], default=[128, 1024])
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--min-prompts", type=int, default=8)
+    ap.add_argument("--dtype", default="auto", help="leanserve --dtype")
+    ap.add_argument("--quantization", default="int8", help="leanserve --quantization")
+    ap.add_argument("--hf-dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    a = ap.parse_args()
+    a.model = (a.model or Path(default_model_path())).resolve()
+    names = a.engines.split(",")
+    eos_ids = list(Tokenizer.from_pretrained(str(a.model)).eos_token_ids)
+    port = free_port()
+    table = engines(a, port, eos_ids)
+    unknown = [n for n in names if n not in table]
+    if unknown:
+        ap.error(f"--engines: unknown {unknown}; choose from {list(table)}")
+    missing = [n for n in names if not Path(table[n].command[0]).exists()]
+    if missing:
+        ap.error(f"{missing} not built: run `bash bench/setup_peers.sh` first")
+
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    info = {"machine": machine(), "versions": versions(names)}
+    results: dict[str, dict] = {}
+    for name in names:
+        engine = table[name]
+        print(f"== {name}: {' '.join(engine.command)}", flush=True)
+        proc = start(engine, port, PEERS / f"{name}.log")
+        try:
+            results[name] = {}
+            for input_len in a.input_lens:
+                for c in a.concurrency:
+                    print(f"-- {name} input {input_len} concurrency {c}", flush=True)
+                    results[name][f"{input_len}/{c}"] = run_workload(a, engine, port, input_len, c)
+                    write_report(a, results, {n: table[n].note for n in results}, info)
+        finally:
+            stop(proc)
+    print((RESULTS / "compare.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
