@@ -52,8 +52,9 @@ class LLM:
         any EngineConfig field (dtype, max_num_seqs, kv_cache_memory, ...)."""
         path = resolve_model_path(model)
         self.tokenizer = Tokenizer.from_pretrained(path)
-        self.engine = EngineCore(EngineConfig(model=path, **engine_args), eos_token_ids=self.tokenizer.eos_token_ids)
-        self.client = InprocClient(self.engine)
+        config = EngineConfig(model=path, **engine_args)
+        self.client = InprocClient(lambda: EngineCore(config, eos_token_ids=self.tokenizer.eos_token_ids))
+        self.engine = self.client.core
 
     def close(self) -> None:
         self.client.shutdown()

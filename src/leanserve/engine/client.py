@@ -10,7 +10,7 @@ import itertools
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -67,14 +67,35 @@ class RequestStream:
 
 
 class InprocClient:
-    """The engine loop in a thread of this process (offline API and tests)."""
+    """The engine in a thread of this process (offline API and tests).
 
-    def __init__(self, core: EngineCore):
-        self.core = core
+    ``make_core`` runs on that thread, so the model is loaded on the thread that steps it (see
+    :class:`EngineLoop`); its exceptions (a bad model path, a bad config) are raised here.
+    """
+
+    def __init__(self, make_core: Callable[[], EngineCore]):
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._streams: dict[int, RequestStream] = {}
-        self._loop = EngineLoop(core, self._dispatch).start()
+        built = threading.Event()
+        failure: list[BaseException] = []
+
+        def engine_thread() -> None:
+            try:
+                self.core = make_core()
+                self._loop = EngineLoop(self.core, self._dispatch)
+            except BaseException as e:  # handed to the constructing thread below
+                failure.append(e)
+                return
+            finally:
+                built.set()
+            self._loop.run()
+
+        self._thread = threading.Thread(target=engine_thread, name="leanserve-engine", daemon=True)
+        self._thread.start()
+        built.wait()
+        if failure:
+            raise failure[0]
 
     def submit(self, prompt: np.ndarray, params: SamplingParams) -> list[RequestStream]:
         with self._lock:
@@ -109,3 +130,4 @@ class InprocClient:
 
     def shutdown(self) -> None:
         self._loop.stop()
+        self._thread.join(timeout=5)

@@ -129,8 +129,8 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     Written as two batched matmuls with the G query heads that share a KV head folded into G
     query rows ([D, KVH, G, Dh] x [D, KVH, Dh, L]), so each KV head's keys are read once and
     nothing is repeated per query head. On CPU, SDPA with ``enable_gqa`` took ~10x longer in
-    bf16 (11.6 vs 1.2 ms per layer at 64 rows x 256 tokens) and no less in fp32. Softmax runs
-    in float32 whatever the cache dtype.
+    bf16 (11.6 vs 1.2 ms per layer at 64 rows x 256 tokens) and ~10% longer in fp32. Softmax
+    runs in float32 whatever the cache dtype.
     """
     d, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]

@@ -17,7 +17,8 @@ from .config import ModelConfig
 
 
 def _empty(*shape, dtype, device) -> nn.Parameter:
-    # Uninitialised: every parameter is overwritten by the loader, so initialising is wasted time.
+    # Uninitialised: every parameter is overwritten by the loader, so initialising is wasted time
+    # (modules are built on the meta device for the same reason, then given these).
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
@@ -38,7 +39,8 @@ class Attention(nn.Module):
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias, device="meta")
+        qkv_size = self.q_size + 2 * self.kv_size
+        self.qkv_proj = nn.Linear(cfg.hidden_size, qkv_size, bias=cfg.attention_bias, device="meta")
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False, device="meta")
         for lin in (self.qkv_proj, self.o_proj):
             lin.weight = _empty(*lin.weight.shape, dtype=dtype, device=device)
@@ -95,7 +97,7 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype=torch.float32, device="cpu"):
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device="meta")
         self.embed_tokens.weight = _empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)

@@ -2,7 +2,8 @@
 
 Three threads, each with one job (and its own ZeroMQ socket):
   * input:  receive and decode Add/Abort messages, enqueue them (O(1) per request);
-  * loop:   EngineCore.step() while there is work;
+  * main:   build the EngineCore, then EngineCore.step() while there is work (the thread that
+            loaded the model runs its forwards: see EngineLoop);
   * output: encode each iteration's StepOutput and send it; send a stats snapshot every 0.5 s.
 No JSON, tokenization or detokenization ever runs here.
 """
@@ -42,8 +43,9 @@ def run_engine_process(config: EngineConfig, eos_token_ids: list[int], in_addr: 
     # GC pauses in the loop stay short (vLLM does the same).
     gc.collect()
     gc.freeze()
-    loop.start()
-    _output_thread(ctx, out_addr, core, outbox, parent_pid)
+    threading.Thread(target=_output_thread, args=(ctx, out_addr, core, outbox, parent_pid), daemon=True,
+                     name="leanserve-output").start()
+    loop.run()
 
 
 def _input_thread(ctx: zmq.Context, addr: str, core: EngineCore, outbox: queue.SimpleQueue) -> None:
