@@ -58,13 +58,13 @@ def forward_ms(model, batch: int, context: int, prefill: int = 0, reps: int = 5)
     tables = torch.arange(1, nblocks).view(batch, per_seq)
     if prefill:
         n = prefill
-        meta = AttentionMetadata.build(torch.arange(bs, bs + n), None, None, [(0, n, n, None)])
+        meta = AttentionMetadata.build(torch.arange(bs, bs + n), None, None, 0, [(0, n, n, None)])
         args = (torch.randint(0, 40000, (n,)), torch.arange(n), kv, meta, torch.tensor([n - 1]))
     else:
         pos = torch.full((batch,), context - 1)
         slots = tables[:, (context - 1) // bs] * bs + (context - 1) % bs
         mask = DecodeMaskTable(kv.device)(pos + 1, tables.shape[1] * bs)
-        meta = AttentionMetadata.build(slots, tables, mask, [])
+        meta = AttentionMetadata.build(slots, tables, mask, context, [])
         args = (torch.randint(0, 40000, (batch,)), pos, kv, meta, None)
     model(*args)
     times = []

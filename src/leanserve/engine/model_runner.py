@@ -148,12 +148,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, inp: ModelInput) -> ModelOutput:
-        decoding = len(inp.decode_block_table) > 0
+        num_decode = len(inp.decode_block_table)
         meta = AttentionMetadata.build(
             self._t(inp.slot_mapping),
-            self._t(inp.decode_block_table) if decoding else None,
+            self._t(inp.decode_block_table) if num_decode else None,
             self.decode_masks(self._t(inp.decode_seq_lens), inp.decode_block_table.shape[1] * self.kv.block_size)
-            if decoding else None,
+            if num_decode > 1 else None,
+            int(inp.decode_seq_lens.max()) if num_decode else 0,
             [(start, n, ctx, self._t(blocks)) for start, n, ctx, blocks in inp.prefills],
         )
         rows = inp.logits_indices

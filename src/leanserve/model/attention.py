@@ -33,6 +33,7 @@ class AttentionMetadata:
     num_decode: int  # rows [0, num_decode) are decode tokens, one per sequence
     decode_block_ids: torch.Tensor | None  # [D, max_blocks] long
     decode_mask: torch.Tensor | None  # [D, 1, 1, max_blocks * block_size] additive float32: 0 or -inf
+    decode_len: int  # longest decode context (the exact one when D == 1, which needs no mask)
     prefills: list[PrefillChunk]
 
     @classmethod
@@ -41,10 +42,12 @@ class AttentionMetadata:
         slot_mapping: torch.Tensor,
         decode_block_ids: torch.Tensor | None,
         decode_mask: torch.Tensor | None,
+        decode_len: int,
         prefills: list[tuple[int, int, int, torch.Tensor | None]],
     ) -> "AttentionMetadata":
-        """``decode_mask`` is [D, width] additive float (see :class:`DecodeMaskTable`);
-        ``prefills`` holds (start, length, context_len, block_ids) per chunk."""
+        """``decode_mask`` is [D, width] additive float (see :class:`DecodeMaskTable`), None when
+        D <= 1; ``decode_len`` the longest decode context; ``prefills`` holds (start, length,
+        context_len, block_ids) per chunk."""
         device = slot_mapping.device
         num_decode = 0 if decode_block_ids is None else decode_block_ids.shape[0]
         chunks = []
@@ -55,8 +58,8 @@ class AttentionMetadata:
             q_pos = torch.arange(context_len - length, context_len, device=device)
             mask = torch.arange(context_len, device=device)[None, :] <= q_pos[:, None]
             chunks.append(PrefillChunk(start, length, context_len, block_ids, mask))
-        mask = decode_mask[:, None, None, :] if num_decode else None
-        return cls(slot_mapping, num_decode, decode_block_ids if num_decode else None, mask, chunks)
+        mask = decode_mask[:, None, None, :] if num_decode > 1 else None
+        return cls(slot_mapping, num_decode, decode_block_ids if num_decode else None, mask, decode_len, chunks)
 
 
 class DecodeMaskTable:
@@ -99,10 +102,11 @@ def paged_attention(
     num_blocks, block_size, kv_heads, head_dim = k_cache.shape
     k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
     v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    d = meta.num_decode
+    if not meta.prefills:  # a pure decode step: no output to assemble from parts
+        return _decode_attention(q, k_cache, v_cache, meta, scale).flatten(1)
     out = torch.empty_like(q)
     gqa = q.shape[1] != kv_heads
-
-    d = meta.num_decode
     if d:
         out[:d] = _decode_attention(q[:d], k_cache, v_cache, meta, scale)
 
@@ -139,7 +143,12 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     keys = _gather(k_cache, meta.decode_block_ids).transpose(1, 2)
     values = _gather(v_cache, meta.decode_block_ids).transpose(1, 2)
     qg = q.view(d, kv_heads, num_heads // kv_heads, head_dim)
-    scores = torch.matmul(qg, keys.transpose(2, 3)).float().mul_(scale).add_(meta.decode_mask)
+    if d == 1:
+        # A lone sequence needs no mask: its keys are sliced to its context instead.
+        keys, values = keys[:, :, : meta.decode_len], values[:, :, : meta.decode_len]
+    scores = torch.matmul(qg, keys.transpose(2, 3)).float().mul_(scale)
+    if meta.decode_mask is not None:
+        scores.add_(meta.decode_mask)
     probs = torch.softmax(scores, dim=-1).to(values.dtype)
     return torch.matmul(probs, values).view(d, num_heads, head_dim)
 

@@ -12,6 +12,8 @@ but moved SmolLM2's logits by up to 14 and changed 28 % of its top-1 tokens: act
 
 Per-channel int8 of the checkpoint's weights is an approximation on top of the checkpoint's own
 (GGUF) quantization; ``tests/test_model.py`` bounds how far it moves logits and greedy tokens.
+A step's row count picks the weights, so with int8 on, a greedy output can depend on what else
+was in the batch: batch invariance holds with the default (``none``).
 The kernel is fast for bfloat16 activations; float32 ones work but gain nothing.
 """
 

@@ -50,14 +50,14 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata):
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        t, h = x.shape[0], self.num_heads
+        qkv = self.qkv_proj(x)
+        # q and k heads side by side, rotated in one pass (half the small ops of two passes).
+        qk = qkv[:, : self.q_size + self.kv_size].view(t, h + self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), dim=1)
+        q, k = _rotate(qk, cos, sin).split([h, self.num_kv_heads], dim=1)
         return self.o_proj(paged_attention(q, k, v, k_cache, v_cache, meta, self.scale))
 
 
