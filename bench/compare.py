@@ -63,7 +63,8 @@ def free_port() -> int:
 def engines(a, port: int, eos_ids: list[int]) -> dict[str, Engine]:
     threads = str(os.cpu_count())
     slots = max(a.concurrency)
-    ctx_per_slot = max(a.input_lens) + a.output_len + 64
+    # Headroom: a random-token prompt can re-tokenize a little longer in the peer's tokenizer.
+    ctx_per_slot = max(a.input_lens) + a.output_len + 256
     model = str(a.model)
     return {
         "leanserve": Engine("leanserve", [str(ROOT / ".venv/bin/leanserve"), "serve", model, "--port", str(port),
@@ -76,11 +77,12 @@ def engines(a, port: int, eos_ids: list[int]) -> dict[str, Engine]:
                                                 "--no-webui", "--log-disable"], {},
                                f"{slots} parallel slots x {ctx_per_slot} context, weights as in the GGUF"),
         # llama-cpp-python's server has no ignore_eos: a logit bias keeps EOS from being sampled.
+        # By default it cuts off a streaming request when the next one arrives: off, so requests queue.
         "llama-cpp-python": Engine("llama-cpp-python", [str(PEERS / "venv-llamacpp/bin/python"), "-m",
                                                         "llama_cpp.server", "--model", model, "--host", "127.0.0.1",
                                                         "--port", str(port), "--n_ctx", str(ctx_per_slot),
                                                         "--n_threads", threads, "--n_threads_batch", threads,
-                                                        "--verbose", "False"],
+                                                        "--interrupt_requests", "False", "--verbose", "False"],
                                    {"logit_bias": {str(i): -100 for i in eos_ids}},
                                    "one request at a time (no parallel slots)"),
         "transformers": Engine("transformers", [str(ROOT / ".venv/bin/python"),

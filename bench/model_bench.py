@@ -1,14 +1,15 @@
 """Model benchmark on the default model (SmolLM2-135M-Instruct, GGUF Q4_1).
 
-Per dtype (each in a fresh process, so RSS is the model's own):
+Per variant, float32, bfloat16 and bfloat16 with ``--quantization int8`` (each in a fresh process,
+so RSS is the model's own):
   * load time and RSS after load;
   * forward time of one decode step at batch 1, 8, 32, 128 (context 256 per sequence) and of a
     512-token prefill, median of 5, through the same paged-attention path the engine uses;
-  * the CPU's GEMM rate (torch.mm at the model's shapes) and the compute ceiling it implies;
+  * the CPU's GEMM rate at one of the model's shapes and the compute ceiling it implies;
   * engine decode throughput at batch 1, 8, 32, 64 (host step time of decode iterations) as a
     fraction of the forward-only rate of the same iterations.
 
-    python bench/model_bench.py                 # both dtypes, writes bench/results/model.{json,md}
+    python bench/model_bench.py                 # all variants, writes bench/results/model.{json,md}
     python bench/model_bench.py --dtype float32 # one dtype, JSON to stdout
 """
 
@@ -27,6 +28,7 @@ import numpy as np
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+VARIANTS = ("float32", "bfloat16", "bfloat16+int8")
 
 
 def rss_mb() -> float:
@@ -37,14 +39,21 @@ def rss_mb() -> float:
     return float("nan")
 
 
-def gemm_gflops(dtype, m: int, k: int = 576, n: int = 1536, reps: int = 30) -> float:
-    """The model's own GEMM: F.linear with an [out, in] weight (the kernel path differs from a @ b)."""
-    x, w = torch.randn(m, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
-    for _ in range(5):
-        torch.nn.functional.linear(x, w)
-    t = time.perf_counter()
-    for _ in range(reps):
-        torch.nn.functional.linear(x, w)
+def gemm_gflops(dtype, quantization: str, m: int, k: int = 576, n: int = 1536, reps: int = 30) -> float:
+    """The model's own GEMM: an [out, in] weight as the model holds it (F.linear's kernel path
+    differs from a @ b; with int8, SmallBatchInt8Linear's int8 kernel at every row count)."""
+    from leanserve.model.quant import SmallBatchInt8Linear
+
+    x = torch.randn(m, k, dtype=dtype)
+    lin = torch.nn.Linear(k, n, bias=False, dtype=dtype)
+    if quantization == "int8":
+        lin = SmallBatchInt8Linear(lin, max_rows=1 << 30)
+    with torch.inference_mode():
+        for _ in range(5):
+            lin(x)
+        t = time.perf_counter()
+        for _ in range(reps):
+            lin(x)
     return 2 * m * k * n * reps / (time.perf_counter() - t) / 1e9
 
 
@@ -99,20 +108,23 @@ def engine_decode(model, batch: int, tokenizer) -> dict:
             "fraction_of_forward_ceiling": float(np.median(fwd) / np.median(host))}
 
 
-def run_one(dtype: str) -> dict:
+def run_one(variant: str) -> dict:
+    """``variant``: a dtype, optionally ``+int8`` (``--quantization int8``)."""
     from leanserve.model import default_model_path, load_model
     from leanserve.tokenizer import Tokenizer
 
+    dtype, _, quantization = variant.partition("+")
+    quantization = quantization or "none"
     torch.set_num_threads(os.cpu_count() or 1)
     before = rss_mb()
     t = time.perf_counter()
-    model = load_model(None, dtype)
+    model = load_model(None, dtype, quantization=quantization)
     load_s = time.perf_counter() - t
-    res = {"dtype": dtype, "load_s": load_s, "rss_mb": rss_mb(), "rss_before_mb": before}
+    res = {"dtype": variant, "load_s": load_s, "rss_mb": rss_mb(), "rss_before_mb": before}
     tdtype = model.norm.weight.dtype
     res["decode_ms"] = {b: forward_ms(model, b, 256) for b in (1, 8, 32, 128)}
     res["prefill_512_ms"] = forward_ms(model, 1, 0, prefill=512)
-    res["gemm_gflops"] = {m: gemm_gflops(tdtype, m) for m in (1, 8, 32, 128, 512)}
+    res["gemm_gflops"] = {m: gemm_gflops(tdtype, quantization, m) for m in (1, 8, 32, 128, 512)}
     cfg = model.config
     # FLOPs per token of the weights (all matmuls, the output head included): 2 * parameters.
     per_layer = cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim \
@@ -134,7 +146,8 @@ def markdown(results: list[dict]) -> str:
         d = r["decode_ms"]
         out.append(f"| {r['dtype']} | {r['load_s']:.1f} | {r['rss_mb']:.0f} | {d['1']:.0f} | {d['8']:.0f} | "
                    f"{d['32']:.0f} | {d['128']:.0f} | {r['prefill_512_ms']:.0f} |")
-    out += ["", "GEMM rate (F.linear, M x 576 -> 1536) and the compute ceiling it implies for the model's weights "
+    out += ["", "GEMM rate (M x 576 -> 1536; for +int8 the int8 kernel at every M, though the model uses it only "
+            "up to 4 rows) and the compute ceiling it implies for the model's weights "
             f"({results[0]['gflop_per_token']:.2f} GFLOP/token):", "",
             "| dtype | M=1 | 8 | 32 | 128 | 512 GFLOP/s | ceiling tok/s at M=128 |", "|---|---|---|---|---|---|---|"]
     for r in results:
@@ -155,13 +168,13 @@ def markdown(results: list[dict]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--dtype", choices=["float32", "bfloat16"])
+    ap.add_argument("--dtype", choices=VARIANTS)
     a = ap.parse_args()
     if a.dtype:
         print(json.dumps(run_one(a.dtype)))
         return
     results = []
-    for dtype in ("float32", "bfloat16"):
+    for dtype in VARIANTS:
         out = subprocess.run([sys.executable, __file__, "--dtype", dtype], capture_output=True, text=True, check=True)
         results.append(json.loads(out.stdout.strip().splitlines()[-1]))
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)

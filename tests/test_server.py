@@ -377,3 +377,10 @@ def test_bench_serve_smoke(server, tmp_path):
     assert json.loads(out.read_text())["summary"]["completed"] == 4
     with pytest.raises(SystemExit):
         bench_serve.parse_args(["--base-url", "http://10.0.0.1:8000"])  # loopback only
+    # --extra-body is merged into every request (how compare.py adapts to a peer's API).
+    res = bench_serve.main(["--base-url", server.url, "--num-prompts", "2", "--random-input-len", "16",
+                            "--random-output-len", "4", "--ignore-eos", "--no-progress",
+                            "--extra-body", '{"max_tokens": 2}'])
+    assert res["summary"]["total_output_tokens"] == 4
+    with pytest.raises(SystemExit):
+        bench_serve.parse_args(["--extra-body", "[1]"])
