@@ -128,7 +128,8 @@ def run_workload(a, engine: Engine, port: int, input_len: int, concurrency: int)
             "--random-input-len", str(input_len), "--random-output-len", str(a.output_len),
             "--num-prompts", str(max(a.min_prompts, concurrency)), "--max-concurrency", str(concurrency),
             "--ignore-eos", "--seed", "0", "--no-progress", "--extra-body", json.dumps(engine.extra_body)]
-    return serve.main(args)["summary"]
+    out = serve.main(args)
+    return out["summary"] | {"engine": out["engine"]}  # engine: leanserve's own step times, else None
 
 
 def machine() -> dict:
@@ -195,6 +196,18 @@ def write_report(a, results: dict, notes: dict, info: dict) -> None:
                     cells = [f"{ours[k] / theirs[k]:.2f}" if ours and theirs and theirs[k] else "-"
                              for k, _, _ in METRICS]
                     lines.append(f"| {c} | {n} | " + " | ".join(cells) + " |")
+        lines.append("")
+    if "leanserve" in results:
+        lines += ["## leanserve engine, per run (host step = the whole iteration; overhead = its non-forward share)", "",
+                  "| input | concurrency | iterations | host step p50 / p99 ms | forward p50 ms | host overhead |",
+                  "|---|---|---|---|---|---|"]
+        for key, s in results["leanserve"].items():
+            e = s.get("engine")
+            if e:
+                input_len, c = key.split("/")
+                lines.append(f"| {input_len} | {c} | {e['iterations']} | {e['host_step_ms']['p50']:.1f} / "
+                             f"{e['host_step_ms']['p99']:.1f} | {e['forward_ms']['p50']:.1f} | "
+                             f"{100 * e['host_overhead_share']:.1f} % |")
         lines.append("")
     lines += ["![output tokens/s vs concurrency](compare.png)", ""]
     (RESULTS / "compare.md").write_text("\n".join(lines))
