@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from leanserve import LLM, SamplingParams
+from leanserve.engine.config import EngineConfig
 from leanserve.model import load_model
 from leanserve.model.attention import AttentionMetadata
 from leanserve.model.quant import SmallBatchInt8Linear
@@ -162,4 +163,8 @@ def test_int8_weights_stay_close(default_model, default_tokenizer, smollm_refere
 
 def test_unknown_quantization_is_rejected(default_model):
     with pytest.raises(ValueError, match="quantization"):
-        load_model(default_model, "float32", quantization="int3")
+        load_model(default_model, "bfloat16", quantization="int3")
+    with pytest.raises(ValueError, match="quantization: int8 needs a bfloat16 model"):
+        load_model(default_model, "float32", quantization="int8")
+    with pytest.raises(ValueError, match="quantization"):  # what `leanserve serve` checks before start-up
+        EngineConfig(dtype="float32", quantization="int8").validate()

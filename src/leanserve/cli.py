@@ -88,7 +88,9 @@ def cmd_chat(a) -> None:
 def cmd_serve(a) -> None:
     from .server.app import ServerConfig, serve
 
-    serve(ServerConfig(engine=_engine_config(a), host=a.host, port=a.port, served_model_name=a.served_model_name,
+    engine = _engine_config(a)
+    engine.validate()  # here, so a bad flag is one line, not an engine process dying at start-up
+    serve(ServerConfig(engine=engine, host=a.host, port=a.port, served_model_name=a.served_model_name,
                        api_key=a.api_key, max_waiting_requests=a.max_waiting_requests))
 
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from ..model.loader import parse_dtype
+from ..model.quant import check_quantization
+
 
 @dataclass
 class EngineConfig:
@@ -36,6 +39,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory: must be > 0 bytes, got {self.kv_cache_memory}")
         if not 0 < self.kv_cache_fraction <= 0.9:
             raise ValueError(f"kv_cache_fraction: must be in (0, 0.9], got {self.kv_cache_fraction}")
+        check_quantization(self.quantization, parse_dtype(self.dtype, self.device))
 
 
 def available_memory_bytes(device: str) -> int:

@@ -82,9 +82,9 @@ def _cpu_has_bf16() -> bool:
 def load_model(model: str | None = None, dtype="auto", device="cpu", quantization: str = "none") -> Transformer:
     """``quantization``: ``none`` keeps the checkpoint's values in ``dtype``; ``int8`` adds int8
     copies of the linear weights for steps of a few rows (see :mod:`.quant`)."""
-    check_quantization(quantization)
-    path = resolve_model_path(model)
     dtype = parse_dtype(dtype, device)
+    check_quantization(quantization, dtype)
+    path = resolve_model_path(model)
     model = _load_hf(path, dtype, device) if os.path.isdir(path) else _load_gguf(path, dtype, device)
     return quantize_linears(model) if quantization == "int8" else model
 
