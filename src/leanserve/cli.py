@@ -6,13 +6,14 @@ import argparse
 import sys
 
 from .model.config import ModelLoadError
+from .model.quant import QUANTIZATIONS
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--device", default="cpu")
-    p.add_argument("--quantization", default="none", choices=["none", "int8"],
+    p.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
                    help="int8: int8 weight copies for steps of a few rows (faster small-batch decode)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)

@@ -37,7 +37,7 @@ class SmallBatchInt8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > self.max_rows:
             return F.linear(x, self.weight, self.bias)
-        y = torch._weight_int8pack_mm(x, self.qweight, self.scale.to(x.dtype))
+        y = torch._weight_int8pack_mm(x, self.qweight, self.scale)  # scale is in x's dtype: bf16
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
