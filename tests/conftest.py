@@ -4,6 +4,7 @@ written by transformers' own ``save_pretrained`` (the reference implementation).
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -71,3 +72,17 @@ def tiny_model_dir(tmp_path_factory, default_tokenizer):
         return path
 
     return make
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tiny_model_dir, default_model, tmp_path_factory) -> str:
+    """A tiny random llama with the default model's tokenizer and chat template: a server on it
+    starts in seconds and generates fast, for tests of the server rather than of the model."""
+    from leanserve.model.gguf_file import GGUFFile
+
+    from .server_util import write_chat_template
+
+    path = str(tmp_path_factory.mktemp("tinychat") / "m")
+    shutil.copytree(tiny_model_dir("llama"), path)
+    write_chat_template(path, GGUFFile(default_model).metadata["tokenizer.chat_template"])
+    return path

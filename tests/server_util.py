@@ -19,12 +19,14 @@ def free_port() -> int:
 
 
 class LiveServer:
-    def __init__(self, model: str | None, *args: str, timeout: float = 180.0):
+    def __init__(self, model: str | None, *args: str, timeout: float = 180.0, log_path: str | None = None):
+        """``log_path``: where the server's log goes (default: nowhere); read it with ``log_text``."""
         self.port = free_port()
+        self.log_path = log_path
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "leanserve.cli", "serve", *([model] if model else []), "--port", str(self.port),
                "--dtype", "float32", *args]
-        self.log = open(os.devnull, "w")
+        self.log = open(log_path or os.devnull, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -38,6 +40,10 @@ class LiveServer:
             time.sleep(0.25)
         self.stop()
         raise RuntimeError("server did not become healthy in time")
+
+    def log_text(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()
 
     def engine_pid(self) -> int:
         """The engine-core child process."""

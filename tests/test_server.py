@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import signal
 import time
 
@@ -16,9 +15,7 @@ import pytest
 
 from leanserve import LLM, SamplingParams
 
-from .server_util import LiveServer, write_chat_template
-
-SMOLLM_TEMPLATE_KEY = "tokenizer.chat_template"
+from .server_util import LiveServer
 
 
 @pytest.fixture(scope="module")
@@ -262,16 +259,6 @@ def test_metrics(server, client, model_name):
 
 
 # ------------------------------------------------------------------------------ separate servers
-
-
-@pytest.fixture(scope="module")
-def tiny_chat_model(tiny_model_dir, default_model, tmp_path_factory):
-    from leanserve.model.gguf_file import GGUFFile
-
-    path = str(tmp_path_factory.mktemp("tinychat") / "m")
-    shutil.copytree(tiny_model_dir("llama"), path)
-    write_chat_template(path, GGUFFile(default_model).metadata[SMOLLM_TEMPLATE_KEY])
-    return path
 
 
 def test_api_key(tiny_chat_model):

@@ -92,7 +92,9 @@ def cmd_serve(a) -> None:
     engine = _engine_config(a)
     engine.validate()  # here, so a bad flag is one line, not an engine process dying at start-up
     serve(ServerConfig(engine=engine, host=a.host, port=a.port, served_model_name=a.served_model_name,
-                       api_key=a.api_key, max_waiting_requests=a.max_waiting_requests))
+                       api_key=a.api_key, max_waiting_requests=a.max_waiting_requests,
+                       max_request_body_bytes=a.max_request_body_bytes, shutdown_timeout=a.shutdown_timeout,
+                       watchdog_timeout=a.watchdog_timeout))
 
 
 def cmd_bench(a) -> None:
@@ -123,7 +125,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--served-model-name", default=None)
     s.add_argument("--api-key", default=None)
-    s.add_argument("--max-waiting-requests", type=int, default=1024)
+    s.add_argument("--max-waiting-requests", type=int, default=1024,
+                   help="sequences in flight (running + queued) past which new requests get 503")
+    s.add_argument("--max-request-body-bytes", type=_bytes, default=4 << 20,
+                   help="larger request bodies get 413 (default 4M)")
+    s.add_argument("--shutdown-timeout", type=float, default=5.0,
+                   help="seconds in-flight requests get to finish on SIGTERM before they are aborted")
+    s.add_argument("--watchdog-timeout", type=float, default=60.0,
+                   help="seconds without engine progress (one iteration, or no heartbeat) before /health "
+                        "answers 503 and the engine logs its loop's stack")
     s.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="benchmarks: `host` (executor host path) or `serve` (load generator)")

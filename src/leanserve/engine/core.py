@@ -77,6 +77,15 @@ class EngineCore:
             budget = int(config.kv_cache_fraction * available_memory_bytes(config.device))
             enough = config.max_num_seqs * -(-self.max_model_len // bs) + 1
             num_blocks = min(budget // per_block, enough)
+        # A request must fit the whole pool, or it would wait for blocks forever.
+        capacity = (int(num_blocks) - 1) * bs  # block 0 is the null block
+        if self.max_model_len > capacity:
+            if config.max_model_len is not None:
+                raise ValueError(f"max_model_len: {self.max_model_len} tokens do not fit in the KV cache, which holds "
+                                 f"{max(capacity, 0)}; raise kv_cache_memory or lower max_model_len")
+            log.warning("max_model_len lowered from %d to %d tokens: the KV cache holds no more",
+                        self.max_model_len, capacity)
+            self.max_model_len = capacity
         self.kv = KVCache(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, int(num_blocks), bs, dtype,
                           config.device)
         self.batch = BatchState(config.max_num_seqs, self.max_model_len, bs, self.eos_token_ids)
@@ -265,15 +274,23 @@ class EngineLoop:
         self.core = core
         self.emit = emit
         self._stop = False
+        # When the iteration in progress began (time.monotonic()), None between iterations: a
+        # watchdog on another thread reads it to tell a long iteration from a stuck one.
+        self.step_started: float | None = None
+        self.thread_id: int | None = None
 
     def run(self) -> None:
         core = self.core
+        self.thread_id = threading.get_ident()
         while not self._stop:
             if not core.has_work:
                 core.wakeup.wait(0.1)
                 core.wakeup.clear()
                 continue
-            if not core.step(self.emit):
+            self.step_started = time.monotonic()
+            ran = core.step(self.emit)
+            self.step_started = None
+            if not ran:
                 # Work exists but none is runnable now (e.g. waiting for blocks): yield briefly.
                 core.wakeup.wait(0.001)
                 core.wakeup.clear()

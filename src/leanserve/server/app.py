@@ -6,6 +6,7 @@ the engine-core process (spawned at start-up) runs only the executor loop.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -14,9 +15,11 @@ import sys
 import time
 from dataclasses import dataclass
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from starlette.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
+from starlette.responses import Response
 
 from .. import __version__
 from ..engine.config import EngineConfig
@@ -24,8 +27,10 @@ from ..model.loader import resolve_model_path
 from ..tokenizer import Tokenizer
 from .engine_client import AsyncEngineClient
 from .metrics import ServerMetrics
-from .protocol import APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body
-from .serving import ServerState, create_chat_completion, create_completion
+from .middleware import Gatekeeper
+from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, InvalidString,
+                       TokenizeRequest, error_response)
+from .serving import ServerState, chat_prompt_ids, create_chat_completion, create_completion, prompt_ids
 
 log = logging.getLogger("leanserve.server")
 
@@ -38,6 +43,11 @@ class ServerConfig:
     served_model_name: str | None = None
     api_key: str | None = None
     max_waiting_requests: int = 1024
+    # A few MiB hold any prompt that fits a context (a 32k-token prompt is ~130 KB of text);
+    # past it JSON parsing alone costs hundreds of MB.
+    max_request_body_bytes: int = 4 << 20
+    shutdown_timeout: float = 5.0  # seconds to let in-flight requests finish on SIGTERM
+    watchdog_timeout: float = 60.0  # seconds without engine progress before /health turns 503
 
 
 def build_app(cfg: ServerConfig) -> FastAPI:
@@ -46,7 +56,9 @@ def build_app(cfg: ServerConfig) -> FastAPI:
     tokenizer = Tokenizer.from_pretrained(path)
     model_name = cfg.served_model_name or _default_name(path)
     metrics = ServerMetrics(model_name)
-    engine = AsyncEngineClient(cfg.engine, list(tokenizer.eos_token_ids), on_stats=metrics.on_engine_stats)
+    engine = AsyncEngineClient(cfg.engine, list(tokenizer.eos_token_ids), on_stats=metrics.on_engine_stats,
+                               max_pending=cfg.max_waiting_requests, watchdog_timeout=cfg.watchdog_timeout)
+    tokenizer.max_token_chars  # computed now (~0.1 s), not by the first request
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -55,7 +67,6 @@ def build_app(cfg: ServerConfig) -> FastAPI:
         app.state.server = ServerState(
             engine=engine, tokenizer=tokenizer, metrics=metrics, model_name=model_name, model_path=path,
             max_model_len=ready.max_model_len, vocab_size=ready.vocab_size, max_logprobs=cfg.engine.max_logprobs,
-            max_waiting_requests=cfg.max_waiting_requests,
         )
         log.info("serving %s (%s) on http://%s:%d, %d KV blocks", model_name, path, cfg.host, cfg.port,
                  ready.num_kv_blocks)
@@ -67,39 +78,41 @@ def build_app(cfg: ServerConfig) -> FastAPI:
     app = FastAPI(title="leanserve", version=__version__, lifespan=lifespan)
     created = int(time.time())
 
+    app.add_middleware(Gatekeeper, api_key=cfg.api_key, max_body_bytes=cfg.max_request_body_bytes)
+
     @app.exception_handler(APIError)
     async def _api_error(_, e: APIError):
         return e.response()
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(_, e: HTTPException):  # 404, 405, a body that cannot be parsed, 413
+        return error_response(e.status_code, str(e.detail), headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_, e: RequestValidationError):
         errors = e.errors()
         first = errors[0] if errors else {}
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        cause = first.get("ctx", {}).get("error")
         if first.get("type") == "json_invalid":
             msg, param = "Invalid JSON in the request body.", None
+        elif isinstance(cause, InvalidString):
+            msg, param = str(cause), cause.param
         else:
             param = ".".join(loc) or None
             msg = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid request")
-        return JSONResponse(error_body(msg, "invalid_request_error", param, 400), status_code=400)
-
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if cfg.api_key and request.url.path.startswith("/v1/"):
-            if request.headers.get("authorization") != f"Bearer {cfg.api_key}":
-                return APIError(401, "Invalid or missing API key.").response()
-        return await call_next(request)
+        return error_response(400, msg, param)
 
     def state(request: Request) -> ServerState:
         return request.app.state.server
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        return await create_completion(state(request), body)
+        return await create_completion(state(request), body, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        return await create_chat_completion(state(request), body)
+        return await create_chat_completion(state(request), body, request)
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -110,8 +123,11 @@ def build_app(cfg: ServerConfig) -> FastAPI:
 
     @app.get("/health")
     async def health(request: Request):
-        if state(request).engine.dead:
-            return APIError(503, "the engine process is not running").response()
+        engine = state(request).engine
+        if engine.failure or engine.stalled:
+            return error_response(503, engine.failure or engine.stalled)
+        if engine.draining:
+            return error_response(503, "the server is shutting down")
         return Response(status_code=200)
 
     @app.get("/version")
@@ -124,11 +140,9 @@ def build_app(cfg: ServerConfig) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "prompt: give exactly one of prompt or messages", "prompt")
         if body.messages is not None:
-            text = s.tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in body.messages],
-                                                   body.add_generation_prompt)
-            ids = s.tokenizer.encode(text, add_special_tokens=False)
+            ids = await chat_prompt_ids(s, body.messages, body.add_generation_prompt)
         else:
-            ids = s.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = await prompt_ids(s, body.prompt, body.add_special_tokens)
         return {"count": len(ids), "max_model_len": s.max_model_len, "tokens": ids.tolist(), "token_strs": None}
 
     @app.post("/detokenize")
@@ -166,15 +180,34 @@ def _default_name(path: str) -> str:
 
 
 def serve(cfg: ServerConfig) -> None:
-    import uvicorn
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     app = build_app(cfg)
-    # uvicorn handles SIGINT/SIGTERM: it stops accepting, drains, then runs the lifespan exit,
-    # which terminates the engine process. Afterwards it re-raises the signal under the handler
-    # found at start; for SIGTERM that handler ends the process with status 0, as a shutdown
-    # that completed cleanly should.
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
+                            timeout_graceful_shutdown=cfg.shutdown_timeout + SEND_GRACE_S)
+    # uvicorn re-raises SIGTERM after its shutdown under the handler found at start; this one
+    # ends the process with status 0, as a shutdown that completed cleanly should.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=5)
+    DrainingServer(config, cfg.shutdown_timeout).run()
 
 
+# After the drain deadline ends the remaining requests, their last chunks still have to be sent.
+SEND_GRACE_S = 3.0
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server with a drain in its shutdown: on SIGTERM/SIGINT uvicorn stops accepting
+    connections, /health and new requests answer 503, in-flight requests get ``shutdown_timeout``
+    seconds to finish, and the rest end with finish reason "abort", so every stream gets its
+    final chunk and [DONE] before the process exits."""
+
+    def __init__(self, config: uvicorn.Config, shutdown_timeout: float):
+        super().__init__(config)
+        self.shutdown_timeout = shutdown_timeout
+
+    async def shutdown(self, sockets=None):
+        engine = self.config.app.state.server.engine
+        drain = asyncio.ensure_future(engine.drain(self.shutdown_timeout))
+        try:
+            await super().shutdown(sockets)
+        finally:
+            drain.cancel()

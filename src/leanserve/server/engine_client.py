@@ -2,8 +2,16 @@
 
 Spawns the engine process, sends it requests (prompt as a raw int32 frame) and aborts, and
 reads its per-iteration outputs in one asyncio task, demultiplexing rows to per-request queues.
-A watchdog notices if the engine process dies: pending requests fail at once and ``dead``
-turns /health to 503.
+
+What can go wrong, and what each pending request then sees (nothing ever waits silently):
+  * one request's output cannot be read: that request fails (see ``demux``), no other;
+  * the output reader task dies, or the engine process exits: every pending request fails at
+    once with the reason, ``failure`` is set and /health answers 503 from then on;
+  * the engine stops making progress (no message for ``watchdog_timeout`` seconds, e.g. the
+    process is frozen, or one iteration has run that long; the engine logs its loop's stack
+    then): ``stalled`` is set and /health answers 503 until it moves again;
+  * shutdown: ``drain`` lets pending requests finish up to a deadline, then ends the rest with
+    finish reason "abort".
 """
 
 from __future__ import annotations
@@ -26,28 +34,47 @@ from ..engine.config import EngineConfig
 from ..engine.params import SamplingParams
 from ..engine.request import FinishReason
 from .engine_proc import run_engine_process
-from .messages import Abort, Add, EngineStats, FromEngine, Ready, Rejected, Step
+from .messages import STATS_PERIOD_S, Abort, Add, EngineStats, FromEngine, Ready, Rejected, Step
 
 log = logging.getLogger("leanserve.server")
+
+WATCHDOG_PERIOD_S = 0.5  # how often the process and progress checks run
+# Silence shorter than this is normal: snapshots leave every 0.5-1 s (the output thread checks the
+# clock when its queue wait times out), so a heartbeat counts as missed only well after that.
+MIN_SILENCE_S = 4 * STATS_PERIOD_S
 
 
 class EngineDeadError(RuntimeError):
     pass
 
 
+class EngineOverloaded(RuntimeError):
+    pass
+
+
 class AsyncEngineClient:
-    def __init__(self, config: EngineConfig, eos_token_ids: list[int], on_stats=None):
+    def __init__(self, config: EngineConfig, eos_token_ids: list[int], on_stats=None, max_pending: int = 1024,
+                 watchdog_timeout: float = 60.0):
         self.config = config
         self.eos_token_ids = eos_token_ids
         self.on_stats = on_stats  # callback(EngineStats)
-        self.dead = False
+        self.max_pending = max_pending  # sequences in flight (running + queued) admitted at once
+        self.watchdog_timeout = watchdog_timeout
+        self.failure: str | None = None  # why the engine can no longer serve; final
+        self.stalled: str | None = None  # why the engine looks stuck now; clears when it moves
+        self.draining = False
         self.ready: Ready | None = None
         self.latest_stats: EngineStats | None = None
+        self._last_heard = time.monotonic()
         self._ids = itertools.count()
         self._queues: dict[int, tuple[asyncio.Queue, int]] = {}  # engine id -> (queue, sample index)
         self._tasks: list[asyncio.Task] = []
         self._proc: multiprocessing.Process | None = None
         self._encoder = msgspec.msgpack.Encoder()
+
+    @property
+    def healthy(self) -> bool:
+        return self.failure is None and self.stalled is None
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self, timeout: float = 600.0) -> None:
@@ -61,7 +88,7 @@ class AsyncEngineClient:
         spawn = multiprocessing.get_context("spawn")
         self._proc = spawn.Process(
             target=run_engine_process, name="leanserve-engine", daemon=True,
-            args=(self.config, list(self.eos_token_ids), in_addr, out_addr, os.getpid()),
+            args=(self.config, list(self.eos_token_ids), in_addr, out_addr, os.getpid(), self.watchdog_timeout),
         )
         self._proc.start()
         decoder = msgspec.msgpack.Decoder(FromEngine)
@@ -75,11 +102,29 @@ class AsyncEngineClient:
                 msg = decoder.decode(await self._from_engine.recv())
                 if isinstance(msg, Ready):
                     self.ready = msg
-        self._tasks = [asyncio.create_task(self._read_outputs(decoder)), asyncio.create_task(self._watchdog())]
+        self._last_heard = time.monotonic()
+        self._tasks = [asyncio.create_task(self._read_outputs(decoder), name="engine output reader"),
+                       asyncio.create_task(self._watchdog(), name="engine watchdog")]
+        for t in self._tasks:
+            t.add_done_callback(self._on_task_done)
+
+    async def drain(self, timeout: float) -> None:
+        """Graceful shutdown: new requests are refused (503) from now on; pending ones get up to
+        ``timeout`` seconds to finish, then end with finish reason "abort"."""
+        self.draining = True
+        deadline = time.monotonic() + timeout
+        while self._queues and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self._queues:
+            log.warning("shutdown: ending %d unfinished request(s) after %.1f s of draining",
+                        len(self._queues), timeout)
+            self._end_all(FinishReason.ABORT, None)
 
     async def shutdown(self) -> None:
         for t in self._tasks:
             t.cancel()
+        # Wait for the tasks to leave their socket calls before the sockets go away.
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._proc is not None and self._proc.is_alive():
             self._proc.terminate()
             self._proc.join(5)
@@ -90,27 +135,36 @@ class AsyncEngineClient:
     # ------------------------------------------------------------------ requests
     def submit(self, prompt: np.ndarray, params: SamplingParams) -> tuple[list[int], asyncio.Queue]:
         """Sends a request; returns its engine ids (one per sample) and the queue its events arrive on
-        as (sample index, TokenEvent)."""
-        if self.dead:
-            raise EngineDeadError("the engine process is not running")
+        as (sample index, TokenEvent). Either everything is registered and sent, or nothing is."""
+        self.check_admission(params.n)
         base = next(self._ids)
         for _ in range(params.n - 1):
             next(self._ids)
+        header = self._encoder.encode(Add(base, params, time.monotonic()))  # may raise: nothing held yet
         ids = [base + i for i in range(params.n)]
         q: asyncio.Queue = asyncio.Queue()
         for i, rid in enumerate(ids):
             self._queues[rid] = (q, i)
-        header = self._encoder.encode(Add(base, params, time.monotonic()))
         # The prompt frame is the array's own buffer: no copy on this side either.
         self._to_engine.send_multipart([header, memoryview(np.ascontiguousarray(prompt, np.int32))], copy=False)
         return ids, q
 
+    def check_admission(self, n: int) -> None:
+        """Raises unless ``n`` more sequences can be admitted now."""
+        if self.failure is not None:
+            raise EngineDeadError(self.failure)
+        if self.draining:
+            raise EngineDeadError("the server is shutting down")
+        if len(self._queues) + n > self.max_pending:
+            raise EngineOverloaded(f"server overloaded: more than {self.max_pending} sequences in flight; retry later")
+
     def abort(self, ids: list[int]) -> None:
-        live = [i for i in ids if i in self._queues]
-        for i in live:
+        """Stops the given requests and forgets them. The engine is told even about ids this side
+        has already dropped (e.g. a row that could not be read): it ignores ids it does not hold."""
+        for i in ids:
             self._queues.pop(i, None)
-        if live and not self.dead:
-            self._to_engine.send_multipart([self._encoder.encode(Abort(live))])
+        if ids and self.failure is None:
+            self._to_engine.send_multipart([self._encoder.encode(Abort(list(ids)))])
 
     @property
     def num_pending(self) -> int:
@@ -121,6 +175,7 @@ class AsyncEngineClient:
         sock, queues = self._from_engine, self._queues
         while True:
             msg = decoder.decode(await sock.recv())
+            self._last_heard = time.monotonic()
             if isinstance(msg, Step):
                 for rid, ev in demux(msg.out):
                     entry = queues.get(rid)
@@ -141,11 +196,47 @@ class AsyncEngineClient:
 
     async def _watchdog(self) -> None:
         while True:
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(WATCHDOG_PERIOD_S)
             if not self._proc.is_alive():
-                self.dead = True
-                log.error("the engine process died (exit code %s); failing pending requests", self._proc.exitcode)
-                for q, i in list(self._queues.values()):
-                    q.put_nowait((i, TokenEvent(-1, FinishReason.ERROR, error="the engine process died")))
-                self._queues.clear()
+                self._fail(f"the engine process died (exit code {self._proc.exitcode})")
                 return
+            self._check_progress()
+
+    def _check_progress(self) -> None:
+        # The engine sends a stats snapshot every half second whatever it is doing, and says in
+        # it how long its current iteration has been running.
+        silent = time.monotonic() - self._last_heard
+        step = self.latest_stats.current_step_s if self.latest_stats is not None else 0.0
+        if silent > max(self.watchdog_timeout, MIN_SILENCE_S):
+            why = f"no message from the engine process for {silent:.1f} s"
+        elif step > self.watchdog_timeout:
+            why = f"one engine iteration has run for {step:.1f} s (its stack is in the engine's log)"
+        else:
+            why = None
+        if why and not self.stalled:
+            log.error("engine stalled: %s; /health answers 503", why)
+        elif self.stalled and not why:
+            log.warning("engine moving again after a stall (%s)", self.stalled)
+        self.stalled = why
+
+    def _on_task_done(self, task: asyncio.Task) -> None:
+        if task.cancelled() or self.failure is not None:
+            return
+        exc = task.exception()
+        reason = f"{task.get_name()} failed: {exc!r}" if exc else f"{task.get_name()} ended"
+        log.error("%s", reason, exc_info=exc)
+        self._fail(reason)
+
+    def _fail(self, reason: str) -> None:
+        """The engine can no longer serve: fail every pending request at once, turn /health 503."""
+        self.failure = reason
+        log.error("%s; failing %d pending request(s)", reason, len(self._queues))
+        self._end_all(FinishReason.ERROR, reason)
+
+    def _end_all(self, reason: FinishReason, error: str | None) -> None:
+        ids = list(self._queues)
+        for q, i in self._queues.values():
+            q.put_nowait((i, TokenEvent(-1, reason, error=error)))
+        self._queues.clear()
+        if reason == FinishReason.ABORT and ids:
+            self._to_engine.send_multipart([self._encoder.encode(Abort(ids))])

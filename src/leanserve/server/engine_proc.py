@@ -4,8 +4,13 @@ Three threads, each with one job (and its own ZeroMQ socket):
   * input:  receive and decode Add/Abort messages, enqueue them (O(1) per request);
   * main:   build the EngineCore, then EngineCore.step() while there is work (the thread that
             loaded the model runs its forwards: see EngineLoop);
-  * output: encode each iteration's StepOutput and send it; send a stats snapshot every 0.5 s.
-No JSON, tokenization or detokenization ever runs here.
+  * output: encode each iteration's StepOutput and send it; send a stats snapshot every 0.5 s,
+            which is also the heartbeat the API process watches; and act as the hang detector:
+            when one iteration has run longer than the watchdog timeout, log the loop thread's
+            stack (once per stall), so the log shows where it is stuck.
+No JSON, tokenization or detokenization ever runs here. If the loop itself raises (a bug outside
+the per-iteration error handling), the process logs it and exits non-zero: the API process then
+fails every pending request at once.
 """
 
 from __future__ import annotations
@@ -14,8 +19,10 @@ import gc
 import logging
 import os
 import queue
+import sys
 import threading
 import time
+import traceback
 
 import msgspec
 import numpy as np
@@ -23,14 +30,13 @@ import zmq
 
 from ..engine.config import EngineConfig
 from ..engine.core import EngineCore, EngineLoop
-from .messages import Abort, Add, EngineStats, FromEngine, Ready, Rejected, Step, ToEngine
+from .messages import STATS_PERIOD_S, Abort, Add, EngineStats, FromEngine, Ready, Rejected, Step, ToEngine
 
-STATS_PERIOD_S = 0.5
 log = logging.getLogger("leanserve.engine")
 
 
 def run_engine_process(config: EngineConfig, eos_token_ids: list[int], in_addr: str, out_addr: str,
-                       parent_pid: int) -> None:
+                       parent_pid: int, watchdog_timeout: float) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
     core = EngineCore(config, eos_token_ids=eos_token_ids)
     outbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -43,9 +49,14 @@ def run_engine_process(config: EngineConfig, eos_token_ids: list[int], in_addr: 
     # GC pauses in the loop stay short (vLLM does the same).
     gc.collect()
     gc.freeze()
-    threading.Thread(target=_output_thread, args=(ctx, out_addr, core, outbox, parent_pid), daemon=True,
-                     name="leanserve-output").start()
-    loop.run()
+    threading.Thread(target=_output_thread, args=(ctx, out_addr, loop, outbox, parent_pid, watchdog_timeout),
+                     daemon=True, name="leanserve-output").start()
+    try:
+        loop.run()
+    except BaseException:  # noqa: BLE001 - logged, then the process ends for the API to see
+        log.critical("the engine loop crashed:\n%s", traceback.format_exc())
+        logging.shutdown()
+        os._exit(1)
 
 
 def _input_thread(ctx: zmq.Context, addr: str, core: EngineCore, outbox: queue.SimpleQueue) -> None:
@@ -65,13 +76,15 @@ def _input_thread(ctx: zmq.Context, addr: str, core: EngineCore, outbox: queue.S
             core.abort(msg.request_ids)
 
 
-def _output_thread(ctx, addr, core: EngineCore, outbox: queue.SimpleQueue, parent_pid: int) -> None:
+def _output_thread(ctx, addr, loop: EngineLoop, outbox: queue.SimpleQueue, parent_pid: int,
+                   watchdog_timeout: float) -> None:
     sock = ctx.socket(zmq.PUSH)
     sock.connect(addr)
     encoder = msgspec.msgpack.Encoder()
     buf = bytearray()
     last_stats = time.monotonic()
     stats_seen = 0
+    dumped_for = None  # the stalled iteration whose stack was logged
     while True:
         try:
             msg: FromEngine = outbox.get(timeout=STATS_PERIOD_S)
@@ -83,13 +96,25 @@ def _output_thread(ctx, addr, core: EngineCore, outbox: queue.SimpleQueue, paren
         if now - last_stats >= STATS_PERIOD_S:
             if os.getppid() != parent_pid:  # the API process is gone: do not linger as an orphan
                 os._exit(0)
-            snapshot, stats_seen = _snapshot(core, stats_seen)
+            started = loop.step_started
+            step_s = now - started if started is not None else 0.0
+            if step_s > watchdog_timeout and dumped_for != started:
+                dumped_for = started
+                _log_stack(loop, step_s)
+            snapshot, stats_seen = _snapshot(loop.core, stats_seen, step_s)
             encoder.encode_into(snapshot, buf)
             sock.send(buf, copy=True)
             last_stats = now
 
 
-def _snapshot(core: EngineCore, seen: int) -> tuple[EngineStats, int]:
+def _log_stack(loop: EngineLoop, step_s: float) -> None:
+    frame = sys._current_frames().get(loop.thread_id)
+    stack = "".join(traceback.format_stack(frame)) if frame is not None else "(the loop thread is gone)\n"
+    log.error("hang detector: the current iteration has run for %.1f s; the loop thread is at:\n%s",
+              step_s, stack)
+
+
+def _snapshot(core: EngineCore, seen: int, current_step_s: float) -> tuple[EngineStats, int]:
     rows = core.stats.since(seen)
     sch, pool = core.scheduler, core.kv.pool
     queue_times = []
@@ -107,4 +132,5 @@ def _snapshot(core: EngineCore, seen: int) -> tuple[EngineStats, int]:
         preemptions_total=sch.num_preemptions,
         iterations=np.ascontiguousarray(rows).tobytes(),
         queue_times=queue_times,
+        current_step_s=current_step_s,
     ), core.stats.count

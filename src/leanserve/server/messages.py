@@ -4,7 +4,8 @@ API -> engine (PUSH/PULL), multipart: frame 0 is a msgpack-encoded ``Add`` or ``
 ``Add`` carries the prompt as frame 1, the raw int32 buffer, which the engine wraps with
 ``np.frombuffer`` without copying.
 Engine -> API (PUSH/PULL): one ``StepOutput`` per iteration, and an ``EngineStats`` snapshot
-every half second (counters, gauges and the iteration rows recorded since the last one).
+every half second (counters, gauges and the iteration rows recorded since the last one), which
+doubles as the engine's heartbeat.
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ import msgspec
 
 from ..engine.params import SamplingParams
 from ..engine.request import StepOutput
+
+# The engine sends an EngineStats snapshot at least this often, idle or not: its heartbeat.
+STATS_PERIOD_S = 0.5
 
 
 class Add(msgspec.Struct, tag="add", array_like=True, gc=False):
@@ -50,6 +54,7 @@ class EngineStats(msgspec.Struct, tag="stats", array_like=True, gc=False):
     preemptions_total: int
     iterations: bytes  # float64 rows of engine.stats.FIELDS recorded since the last snapshot
     queue_times: list[float]
+    current_step_s: float  # how long the iteration in progress has run (0 between iterations)
 
 
 class Step(msgspec.Struct, tag="step", array_like=True, gc=False):

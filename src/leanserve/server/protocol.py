@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..engine.params import SamplingParams
 
@@ -16,15 +16,60 @@ class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, type_: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
-        self.type = type_ or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                              503: "service_unavailable"}.get(status, "server_error")
+        self.type = type_ or error_type(status)
 
     def response(self) -> JSONResponse:
         return JSONResponse(error_body(self.message, self.type, self.param, self.status), status_code=self.status)
 
 
+class InvalidString(ValueError):
+    """A string field that cannot be text (a lone UTF-16 surrogate, which JSON's \\u escapes can
+    express but UTF-8, the tokenizer and the wire format cannot). ``param`` is the field's path."""
+
+    def __init__(self, param: str):
+        super().__init__(f"{param}: contains a lone surrogate code point, which is not valid Unicode text")
+        self.param = param
+
+
+def _check_strings(value, path: str) -> None:
+    # One walk over the raw JSON before any field is used; a body is bounded by the server's
+    # body-size limit, so this is O(body).
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidString(path or "body") from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_strings(k, path)
+            _check_strings(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_strings(v, f"{path}.{i}" if path else str(i))
+
+
+class _Body(BaseModel):
+    """Every request body: strings are checked to be valid text before anything reads them."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_text(cls, data):
+        _check_strings(data, "")
+        return data
+
+
+def error_type(status: int) -> str:
+    if status >= 500:
+        return "service_unavailable" if status == 503 else "server_error"
+    return {401: "authentication_error", 404: "not_found_error"}.get(status, "invalid_request_error")
+
+
 def error_body(message: str, type_: str, param: str | None, code: int | str | None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, param: str | None = None, headers=None) -> JSONResponse:
+    return JSONResponse(error_body(message, error_type(status), param, status), status_code=status, headers=headers)
 
 
 def bad_request_from(e: ValueError) -> APIError:
@@ -38,7 +83,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(_Body):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
@@ -78,7 +123,7 @@ class _SamplingFields(BaseModel):
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=self.top_k or 0,
             min_p=self.min_p or 0.0,
-            repetition_penalty=self.repetition_penalty or 1.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             seed=self.seed,
@@ -119,6 +164,9 @@ class ChatMessage(BaseModel):
             return self.content
         return "".join(p.text for p in self.content)
 
+    def for_template(self) -> dict:
+        return {"role": self.role, "content": self.text()}
+
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
@@ -129,7 +177,7 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -137,6 +185,6 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]

@@ -1,7 +1,7 @@
 """Completions and chat completions: one generation stream shared by both, then OpenAI shapes.
 
-``generate`` turns engine events into per-choice text pieces: incremental detokenization, stop
-strings (which abort the engine request), latency metrics, and, when the consumer goes away
+A ``Generation`` turns engine events into per-choice text pieces: incremental detokenization,
+stop strings (which abort the engine request), latency metrics, and, when the consumer goes away
 (client disconnect, error), an abort of whatever is still running, so the engine frees the
 request's blocks within one iteration.
 """
@@ -9,6 +9,8 @@ request's blocks within one iteration.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -16,15 +18,19 @@ from typing import AsyncIterator
 
 import msgspec
 import numpy as np
+from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from ..engine.core import validate_request
 from ..engine.params import SamplingParams
 from ..tokenizer import IncrementalDetokenizer, Tokenizer
-from .engine_client import AsyncEngineClient, EngineDeadError
+from .engine_client import AsyncEngineClient, EngineDeadError, EngineOverloaded
 from .metrics import ServerMetrics
-from .protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request_from
+from .protocol import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest, bad_request_from
+
+log = logging.getLogger("leanserve.server")
 
 
 @dataclass
@@ -37,7 +43,6 @@ class ServerState:
     max_model_len: int
     vocab_size: int
     max_logprobs: int
-    max_waiting_requests: int
 
 
 @dataclass
@@ -76,52 +81,88 @@ class EngineRequestError(RuntimeError):
     pass
 
 
-async def generate(state: ServerState, prompt: np.ndarray, params: SamplingParams, usage: Usage,
-                   index_base: int = 0) -> AsyncIterator[Piece]:
-    engine, metrics = state.engine, state.metrics
-    try:
-        ids, q = engine.submit(prompt, params)
-    except EngineDeadError as e:
-        raise APIError(503, str(e)) from None
-    usage.prompt_tokens += len(prompt)
-    start = time.monotonic()
-    last = [None] * params.n
-    detoks = [IncrementalDetokenizer(state.tokenizer, params.skip_special_tokens, params.stop,
-                                     params.include_stop_str_in_output) for _ in range(params.n)]
-    live = set(range(params.n))
-    cached = 0
-    try:
-        while live:
-            i, ev = await q.get()
-            if i not in live:
-                continue
-            if ev.error:
-                metrics.request_finished("error")
-                raise EngineRequestError(ev.error)
-            now = time.monotonic()
-            if ev.prompt_logprobs is not None and i == 0:
-                usage.prompt_logprobs = (usage.prompt_logprobs or [None]) + _prompt_lp_rows(ev.prompt_logprobs)
-            tokens, lps = [], None
-            if ev.token_id >= 0:
-                cached = max(cached, ev.num_cached_tokens)
-                (metrics.ttft if last[i] is None else metrics.itl).observe(now - (last[i] or start))
-                last[i] = now
-                tokens = [ev.token_id]
-                usage.completion_tokens += 1
-                if params.logprobs is not None:
-                    lps = [(ev.token_id, ev.logprob, ev.top or [])]
-            delta, finish = detoks[i].step(ev.token_id, ev.finish_reason.openai)
-            if detoks[i].stopped_on is not None:
-                engine.abort([ids[i]])
-            if finish:
-                live.discard(i)
-                metrics.e2e.observe(now - start)
-                metrics.request_finished(finish)
-            yield Piece(index_base + i, delta, tokens, lps, finish)
-    finally:
-        usage.cached_tokens += cached
-        if live:  # the consumer left early (disconnect, error): free the engine's work now
-            engine.abort([ids[i] for i in live])
+class Generation:
+    """One engine request (its n samples), read as Pieces.
+
+    It is submitted when made, so admission (503) is decided before any response starts, and
+    from then on it owns the engine's work: ``aclose()`` aborts whatever still runs, on every
+    way out (finished, stop string, error, client gone). Consumers close it with
+    ``contextlib.aclosing``; ``start_all`` submits several all-or-nothing.
+    """
+
+    def __init__(self, state: ServerState, prompt: np.ndarray, params: SamplingParams, usage: Usage,
+                 index_base: int = 0):
+        try:
+            self.ids, self._queue = state.engine.submit(prompt, params)
+        except (EngineDeadError, EngineOverloaded) as e:
+            raise APIError(503, str(e)) from None
+        self._state, self._params, self._usage, self._index_base = state, params, usage, index_base
+        self._live = set(range(params.n))  # samples the engine may still be running
+        usage.prompt_tokens += len(prompt)
+        self._events = self._pieces()
+
+    @staticmethod
+    def start_all(state: ServerState, jobs: list[tuple[np.ndarray, SamplingParams, Usage, int]]) -> list[Generation]:
+        started: list[Generation] = []
+        try:
+            for job in jobs:
+                started.append(Generation(state, *job))
+        except BaseException:
+            for g in started:
+                g.abort()
+            raise
+        return started
+
+    def __aiter__(self) -> AsyncIterator[Piece]:
+        return self._events
+
+    async def aclose(self) -> None:
+        await self._events.aclose()
+        self.abort()
+
+    def abort(self) -> None:
+        if self._live:
+            self._state.engine.abort([self.ids[i] for i in self._live])
+            self._live.clear()
+
+    async def _pieces(self) -> AsyncIterator[Piece]:
+        state, params, usage, live = self._state, self._params, self._usage, self._live
+        metrics = state.metrics
+        start = time.monotonic()
+        last = [None] * params.n
+        detoks = [IncrementalDetokenizer(state.tokenizer, params.skip_special_tokens, params.stop,
+                                         params.include_stop_str_in_output) for _ in range(params.n)]
+        cached = 0
+        try:
+            while live:
+                i, ev = await self._queue.get()
+                if i not in live:
+                    continue
+                if ev.error:
+                    metrics.request_finished("error")
+                    raise EngineRequestError(ev.error)
+                now = time.monotonic()
+                if ev.prompt_logprobs is not None and i == 0:
+                    usage.prompt_logprobs = (usage.prompt_logprobs or [None]) + _prompt_lp_rows(ev.prompt_logprobs)
+                tokens, lps = [], None
+                if ev.token_id >= 0:
+                    cached = max(cached, ev.num_cached_tokens)
+                    (metrics.ttft if last[i] is None else metrics.itl).observe(now - (last[i] or start))
+                    last[i] = now
+                    tokens = [ev.token_id]
+                    usage.completion_tokens += 1
+                    if params.logprobs is not None:
+                        lps = [(ev.token_id, ev.logprob, ev.top or [])]
+                delta, finish = detoks[i].step(ev.token_id, ev.finish_reason.openai)
+                if finish:
+                    live.discard(i)
+                    if detoks[i].stopped_on is not None:
+                        self._state.engine.abort([self.ids[i]])
+                    metrics.e2e.observe(now - start)
+                    metrics.request_finished(finish)
+                yield Piece(self._index_base + i, delta, tokens, lps, finish)
+        finally:
+            usage.cached_tokens += cached
 
 
 def _prompt_lp_rows(chunk) -> list:
@@ -129,19 +170,22 @@ def _prompt_lp_rows(chunk) -> list:
     return [(float(lp[j]), list(zip(ids[j].tolist(), tlp[j].tolist()))) for j in range(len(lp))]
 
 
-async def merge(gens: list[AsyncIterator[Piece]]) -> AsyncIterator[Piece]:
-    """Interleaves several generation streams (a completions request with several prompts)."""
+async def merge(gens: list[Generation]) -> AsyncIterator[Piece]:
+    """Interleaves several generations (a completions request with several prompts); closing the
+    merged stream closes every one of them."""
     if len(gens) == 1:
-        async for p in gens[0]:
-            yield p
+        async with contextlib.aclosing(gens[0]):
+            async for p in gens[0]:
+                yield p
         return
     q: asyncio.Queue = asyncio.Queue()
     done = object()
 
-    async def pump(g):
+    async def pump(g: Generation):
         try:
-            async for p in g:
-                await q.put(p)
+            async with contextlib.aclosing(g):
+                async for p in g:
+                    await q.put(p)
         except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
             await q.put(e)
         finally:
@@ -161,6 +205,8 @@ async def merge(gens: list[AsyncIterator[Piece]]) -> AsyncIterator[Piece]:
     finally:
         for t in tasks:
             t.cancel()
+        for g in gens:  # a pump cancelled before it started never entered its ``aclosing``
+            g.abort()
 
 
 # ---------------------------------------------------------------------------------- helpers
@@ -171,11 +217,25 @@ def _check_model(state: ServerState, model: str | None) -> None:
         raise APIError(404, f"The model `{model}` does not exist.", "model")
 
 
-def _check_capacity(state: ServerState, n: int) -> None:
-    if state.engine.dead:
-        raise APIError(503, "the engine process is not running")
-    if state.engine.num_pending + n > state.max_waiting_requests:
-        raise APIError(503, f"server overloaded: more than {state.max_waiting_requests} requests in flight; retry later")
+def _check_capacity(state: ServerState, n: int, param: str) -> None:
+    """Fails fast, before any tokenization or submission; ``submit`` enforces the same limit
+    atomically (several requests may pass this check before any of them submits)."""
+    if n > state.engine.max_pending:  # could never be admitted, even on an idle server
+        raise APIError(400, f"{param}: this request needs {n} sequences, more than the server admits at once "
+                            f"(--max-waiting-requests={state.engine.max_pending})", param)
+    try:
+        state.engine.check_admission(n)
+    except (EngineDeadError, EngineOverloaded) as e:
+        raise APIError(503, str(e)) from None
+
+
+def _check_text_length(state: ServerState, num_chars: int, param: str) -> None:
+    """Rejects text that cannot fit the context before it is tokenized: a token covers at most
+    ``max_token_chars`` characters, so longer text has more than ``max_model_len`` tokens.
+    (Tokenizing a 20 MB prompt only to reject it took ~20 s and kept 1.3 GB of RSS.)"""
+    if num_chars > state.max_model_len * state.tokenizer.max_token_chars:
+        raise APIError(400, f"{param}: {num_chars} characters cannot fit in max_model_len={state.max_model_len} "
+                            "tokens", param)
 
 
 def _validate(state: ServerState, prompt_len: int, params: SamplingParams) -> None:
@@ -205,26 +265,40 @@ def _error_event(e: Exception) -> bytes:
 
 async def _stream(pieces: AsyncIterator[Piece], chunk, usage: Usage, include_usage: bool, final_chunk):
     try:
-        async for p in pieces:
-            if p.text or p.token_ids or p.finish_reason:
-                yield _sse(chunk(p))
+        async with contextlib.aclosing(pieces):
+            async for p in pieces:
+                if p.text or p.token_ids or p.finish_reason:
+                    yield _sse(chunk(p))
         if include_usage:
             yield _sse(final_chunk(usage))
     except Exception as e:  # noqa: BLE001 - a mid-stream failure is reported in-band
+        log.error("stream failed: %r", e, exc_info=not isinstance(e, (APIError, EngineRequestError)))
         yield _error_event(e)
     yield b"data: [DONE]\n\n"
+
+
+def _sse_response(stream: AsyncIterator[bytes], gens: list[Generation]) -> StreamingResponse:
+    # A client that leaves before the stream takes its first step leaves nothing to close inside
+    # it (an unstarted generator runs no ``finally``); Starlette runs the background task after a
+    # disconnect too, and it aborts whatever is left.
+    async def abort_rest():  # async: it runs on the event loop, beside the engine client's sockets
+        for g in gens:
+            g.abort()
+
+    return StreamingResponse(stream, media_type="text/event-stream", background=BackgroundTask(abort_rest))
 
 
 async def _collect(pieces: AsyncIterator[Piece], n_choices: int) -> list[dict]:
     choices = [{"text": [], "tokens": [], "logprobs": [], "finish_reason": None} for _ in range(n_choices)]
     try:
-        async for p in pieces:
-            c = choices[p.index]
-            c["text"].append(p.text)
-            c["tokens"] += p.token_ids
-            if p.logprobs:
-                c["logprobs"] += p.logprobs
-            c["finish_reason"] = p.finish_reason or c["finish_reason"]
+        async with contextlib.aclosing(pieces):
+            async for p in pieces:
+                c = choices[p.index]
+                c["text"].append(p.text)
+                c["tokens"] += p.token_ids
+                if p.logprobs:
+                    c["logprobs"] += p.logprobs
+                c["finish_reason"] = p.finish_reason or c["finish_reason"]
     except EngineRequestError as e:
         raise APIError(500, f"generation failed: {e}") from None
     for c in choices:
@@ -232,16 +306,52 @@ async def _collect(pieces: AsyncIterator[Piece], n_choices: int) -> list[dict]:
     return choices
 
 
+async def _collect_unless_disconnected(request: Request, pieces: AsyncIterator[Piece], n_choices: int) -> list[dict]:
+    """A non-streaming request is aborted within one engine iteration when its client goes away,
+    as a stream is: the body has been read, so the next ASGI message can only be the disconnect,
+    and a watcher cancels the collection then (closing ``pieces`` sends the abort)."""
+    collecting = asyncio.current_task()
+    left = asyncio.Event()
+
+    async def watch():
+        await _wait_for_disconnect(request)
+        left.set()
+        collecting.cancel()
+
+    watcher = asyncio.create_task(watch())
+    try:
+        return await _collect(pieces, n_choices)
+    except asyncio.CancelledError:
+        if left.is_set():
+            raise APIError(499, "the client closed the request") from None  # nginx's code; nobody reads it
+        raise
+    finally:
+        watcher.cancel()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 # ---------------------------------------------------------------------------------- completions
+
+
+async def prompt_ids(state: ServerState, text: str, add_special_tokens: bool = True) -> np.ndarray:
+    """A text prompt -> token ids (completions and /tokenize)."""
+    _check_text_length(state, len(text), "prompt")
+    return await run_in_threadpool(state.tokenizer.encode, text, add_special_tokens)
 
 
 async def _completion_prompts(state: ServerState, prompt) -> list[tuple[str | None, np.ndarray]]:
     tok = state.tokenizer
     if isinstance(prompt, str):
-        return [(prompt, await run_in_threadpool(tok.encode, prompt))]
+        return [(prompt, await prompt_ids(state, prompt))]
     if not prompt:
         raise APIError(400, "prompt: must not be empty", "prompt")
     if isinstance(prompt[0], str):
+        for i, text in enumerate(prompt):
+            _check_text_length(state, len(text), f"prompt.{i}")
         encoded = await run_in_threadpool(tok.encode_batch, prompt)
         return list(zip(prompt, encoded))
     lists = [prompt] if isinstance(prompt[0], int) else prompt
@@ -257,7 +367,7 @@ async def _completion_prompts(state: ServerState, prompt) -> list[tuple[str | No
     return out
 
 
-async def create_completion(state: ServerState, req: CompletionRequest):
+async def create_completion(state: ServerState, req: CompletionRequest, request: Request):
     _check_model(state, req.model)
     req.check_common()
     if req.suffix:
@@ -270,12 +380,13 @@ async def create_completion(state: ServerState, req: CompletionRequest):
                                      else None)
         _validate(state, len(ids), params)
         per_prompt.append(params)
-    _check_capacity(state, req.n * len(prompts))
+    _check_capacity(state, req.n * len(prompts), "n" if len(prompts) == 1 else "prompt")
 
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     usages = [Usage() for _ in prompts]
-    pieces = merge([generate(state, ids, p, u, k * req.n) for k, ((_, ids), p, u) in
-                    enumerate(zip(prompts, per_prompt, usages))])
+    gens = Generation.start_all(state, [(ids, p, u, k * req.n) for k, ((_, ids), p, u) in
+                                        enumerate(zip(prompts, per_prompt, usages))])
+    pieces = merge(gens)
     tok = state.tokenizer
     head = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name}
     offsets = [0] * (len(prompts) * req.n)
@@ -312,11 +423,11 @@ async def create_completion(state: ServerState, req: CompletionRequest):
                                          "finish_reason": p.finish_reason}]}
 
         include = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(
+        return _sse_response(
             _stream(pieces, chunk, usages[0], include, lambda _: {**head, "choices": [], "usage": total_usage().to_json()}),
-            media_type="text/event-stream")
+            gens)
 
-    choices = await _collect(pieces, len(prompts) * req.n)
+    choices = await _collect_unless_disconnected(request, pieces, len(prompts) * req.n)
     out = []
     for i, c in enumerate(choices):
         text = c["text"]
@@ -348,28 +459,36 @@ def _echo_logprobs(tok, prompt_ids, prompt_lps, lp):
 # ---------------------------------------------------------------------------------- chat
 
 
-async def create_chat_completion(state: ServerState, req: ChatCompletionRequest):
+async def chat_prompt_ids(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool) -> np.ndarray:
+    """Messages -> the chat template -> token ids (chat completions and /tokenize)."""
+    _check_text_length(state, sum(len(m.text()) for m in messages), "messages")
+    try:
+        text = await run_in_threadpool(state.tokenizer.apply_chat_template, [m.for_template() for m in messages],
+                                       add_generation_prompt)
+    except ValueError as e:
+        raise bad_request_from(e) from None
+    _check_text_length(state, len(text), "messages")
+    return await run_in_threadpool(state.tokenizer.encode, text, False)
+
+
+async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request):
     _check_model(state, req.model)
     req.check_common()
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs: requires logprobs to be true", "top_logprobs")
     tok = state.tokenizer
-    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-    try:
-        text = await run_in_threadpool(tok.apply_chat_template, messages, req.add_generation_prompt)
-    except ValueError as e:
-        raise bad_request_from(e) from None
-    ids = await run_in_threadpool(tok.encode, text, False)
+    ids = await chat_prompt_ids(state, req.messages, req.add_generation_prompt)
     max_tokens = req.max_completion_tokens or req.max_tokens
     if max_tokens is None:
         max_tokens = max(1, state.max_model_len - len(ids))
     params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None, None)
     _validate(state, len(ids), params)
-    _check_capacity(state, req.n)
+    _check_capacity(state, req.n, "n")
 
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     usage = Usage()
-    pieces = generate(state, ids, params, usage)
+    gens = [Generation(state, ids, params, usage)]
+    pieces = merge(gens)
     head = {"id": rid, "created": created, "model": state.model_name}
 
     def logprobs_json(lps):
@@ -395,12 +514,12 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest)
                                  "finish_reason": p.finish_reason}]}
 
         include = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(
+        return _sse_response(
             _stream(pieces, chunk, usage, include,
                     lambda u: {**head, "object": "chat.completion.chunk", "choices": [], "usage": u.to_json()}),
-            media_type="text/event-stream")
+            gens)
 
-    choices = await _collect(pieces, req.n)
+    choices = await _collect_unless_disconnected(request, pieces, req.n)
     out = [{"index": i, "message": {"role": "assistant", "content": c["text"]},
             "logprobs": logprobs_json(c["logprobs"]), "finish_reason": c["finish_reason"]}
            for i, c in enumerate(choices)]

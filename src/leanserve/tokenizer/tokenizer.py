@@ -8,6 +8,7 @@ byte-level BPE (``tokenizer.ggml.model == "gpt2"``) with the split regex llama.c
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -146,6 +147,14 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(int(token_id))
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token stands for (special tokens included): text longer than
+        ``n * max_token_chars`` has more than ``n`` tokens, which bounds a prompt's length before
+        tokenizing it. Doubled, so a normalizer that merges characters cannot undercut it."""
+        pieces = self.backend.decode_batch([[i] for i in range(self.vocab_size)], skip_special_tokens=False)
+        return 2 * max(1, max(map(len, pieces)))
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         if self.chat_template is None:
