@@ -279,20 +279,6 @@ def test_stream_yields_the_same_text_as_generate(tiny):
     assert deltas[-1].finish_reason == "length"
 
 
-@pytest.fixture(scope="module")
-def tiny_chat_dir(tiny, default_model, tmp_path_factory):
-    import shutil
-
-    from leanserve.model.gguf_file import GGUFFile
-
-    from .server_util import write_chat_template
-
-    path = str(tmp_path_factory.mktemp("tinychat") / "m")
-    shutil.copytree(tiny, path)
-    write_chat_template(path, GGUFFile(default_model).metadata["tokenizer.chat_template"])
-    return path
-
-
 def _cli(*args, stdin=None):
     import subprocess
     import sys
@@ -301,14 +287,14 @@ def _cli(*args, stdin=None):
                           text=True, timeout=300)
 
 
-def test_cli_generate_and_chat(tiny_chat_dir):
-    gen = _cli("generate", "Hello there", tiny_chat_dir, "--dtype", "float32", "--max-tokens", "8",
+def test_cli_generate_and_chat(tiny_chat_model):
+    gen = _cli("generate", "Hello there", tiny_chat_model, "--dtype", "float32", "--max-tokens", "8",
                "--kv-cache-memory", "16M")
     assert gen.returncode == 0, gen.stderr
-    with LLM(tiny_chat_dir, dtype="float32", kv_cache_memory=16 << 20) as llm:
+    with LLM(tiny_chat_model, dtype="float32", kv_cache_memory=16 << 20) as llm:
         expected = llm.generate("Hello there", SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
     assert gen.stdout == expected + "\n"
-    chat = _cli("chat", tiny_chat_dir, "--dtype", "float32", "--max-tokens", "6", "--kv-cache-memory", "16M",
+    chat = _cli("chat", tiny_chat_model, "--dtype", "float32", "--max-tokens", "6", "--kv-cache-memory", "16M",
                 stdin="hi\nand again\n\n")
     assert chat.returncode == 0, chat.stderr
     assert chat.stdout.count("> ") >= 2  # answered both turns, then quit on the empty line
@@ -332,3 +318,31 @@ def test_stop_strings_offline(default_model):
     assert out.text == full.text[: full.text.index(stop)]
     assert out.token_ids == full.token_ids[: len(out.token_ids)]
     assert "".join(d.text for d in streamed) == out.text and streamed[-1].finish_reason == "stop"
+
+
+def test_vllm_style_offline_calls(tiny_chat_model):
+    """What vLLM users write: ``sampling_params=``, TokensPrompt/TextPrompt dicts, ``chat``."""
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with LLM(tiny_chat_model, dtype="float32", kv_cache_memory=16 << 20) as llm:
+        ids = llm.tokenizer.encode("Hello there").tolist()
+        by_ids = llm.generate([{"prompt_token_ids": ids}], sampling_params=sp)[0]
+        by_text = llm.generate({"prompt": "Hello there"}, sampling_params=sp)[0]
+        assert by_ids.outputs[0].token_ids == by_text.outputs[0].token_ids
+        assert len(by_ids.outputs[0].token_ids) == 6 and by_ids.prompt is None and by_text.prompt == "Hello there"
+        with pytest.raises(ValueError, match="prompt"):
+            llm.generate({"prompt": "a", "prompt_token_ids": [1]}, sampling_params=sp)
+        chat = llm.chat([{"role": "user", "content": "Hi"}], sampling_params=sp)[0]
+        assert list(chat.prompt_token_ids) == list(llm.chat_prompt([{"role": "user", "content": "Hi"}]))
+        assert len(chat.outputs[0].token_ids) == 6
+
+
+def test_a_script_that_never_closes_llm_exits_cleanly(tiny_chat_model):
+    import subprocess
+    import sys
+
+    script = ("from leanserve import LLM, SamplingParams\n"
+              f"llm = LLM({tiny_chat_model!r}, dtype='float32', kv_cache_memory=16 << 20)\n"
+              "print(llm.generate('Hi', SamplingParams(max_tokens=4))[0].outputs[0].finish_reason)\n")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "length", r.stderr
+    assert "terminate called" not in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -6,6 +6,7 @@ thread and only ever sees int32 token arrays.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -14,19 +15,10 @@ import numpy as np
 from .engine.client import InprocClient, RequestStream
 from .engine.config import EngineConfig
 from .engine.core import EngineCore
+from .engine.output_processor import CompletionOutput, EngineRequestError, RequestOutputState
 from .engine.params import SamplingParams
 from .model.loader import resolve_model_path
-from .tokenizer import IncrementalDetokenizer, Tokenizer
-
-
-@dataclass
-class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    logprobs: list[dict] | None = None  # per token: {"token_id", "logprob", "top": [(id, logprob)]}
-    stop_reason: str | None = None  # the stop string that ended it, if any
+from .tokenizer import Tokenizer
 
 
 @dataclass
@@ -55,9 +47,12 @@ class LLM:
         config = EngineConfig(model=path, **engine_args)
         self.client = InprocClient(lambda: EngineCore(config, eos_token_ids=self.tokenizer.eos_token_ids))
         self.engine = self.client.core
+        # A script that never calls close(): stop the engine thread before the interpreter tears
+        # down, or C++ kills the process mid-forward ("terminate called without an active exception").
+        self._finalizer = weakref.finalize(self, self.client.shutdown)
 
     def close(self) -> None:
-        self.client.shutdown()
+        self._finalizer()
 
     def __enter__(self):
         return self
@@ -67,7 +62,12 @@ class LLM:
 
     # ------------------------------------------------------------------ prompts
     def _to_ids(self, prompt) -> tuple[str | None, np.ndarray]:
-        """The one conversion to int32, at the boundary."""
+        """The one conversion to int32, at the boundary. A prompt is text, token ids, or vLLM's
+        ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``."""
+        if isinstance(prompt, dict):
+            if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+                raise ValueError("prompt: a dict prompt has exactly one of 'prompt' or 'prompt_token_ids'")
+            prompt = prompt["prompt"] if "prompt" in prompt else prompt["prompt_token_ids"]
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
         ids = np.asarray(prompt, dtype=np.int32)
@@ -80,13 +80,16 @@ class LLM:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     # ------------------------------------------------------------------ generation
-    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool | None = None) -> list[RequestOutput]:
-        single = isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], (int, np.integer)))
+        """``prompts``: one prompt or a list (see ``_to_ids`` for the forms); ``sampling_params``:
+        one for all, or one per prompt (vLLM's signature)."""
+        single = isinstance(prompts, (str, dict)) or (len(prompts) and isinstance(prompts[0], (int, np.integer)))
         prompts = [prompts] if single else list(prompts)
+        params = sampling_params
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
-            raise ValueError("params: one SamplingParams per prompt, or a single one for all")
+            raise ValueError("sampling_params: one SamplingParams per prompt, or a single one for all")
         submitted = []
         try:
             for prompt, p in zip(prompts, params_list):
@@ -106,10 +109,10 @@ class LLM:
             bar.close()
         return results
 
-    def chat(self, messages, params: SamplingParams | None = None, use_tqdm: bool | None = None):
+    def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool | None = None):
         """One conversation (a list of message dicts) or a list of conversations."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        return self.generate([self.chat_prompt(m) for m in convs], params, use_tqdm)
+        return self.generate([self.chat_prompt(m) for m in convs], sampling_params, use_tqdm)
 
     def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[StreamDelta]:
         """Text deltas of a single request as they are generated (n must be 1)."""
@@ -118,56 +121,37 @@ class LLM:
             raise ValueError("n: stream() takes n=1")
         _, ids = self._to_ids(prompt)
         (stream,) = self.client.submit(ids, params)
-        detok = self._detokenizer(params)
-        for ev in stream:
-            if ev.error:
-                raise RuntimeError(ev.error)
-            delta, finish = detok.step(ev.token_id, ev.finish_reason.openai)
-            if detok.stopped_on is not None:
+        out = RequestOutputState(self.tokenizer, params)
+        try:
+            for ev in stream:
+                d = out.process(0, ev)
+                if d is None:
+                    continue
+                if d.abort_engine:
+                    self.client.abort([stream.request_id])
+                if d.text or d.token_ids or d.finish_reason:
+                    yield StreamDelta(0, d.text, d.token_ids, d.finish_reason)
+                if d.finish_reason:
+                    return
+        finally:
+            if not out.finished:  # the caller stopped reading early
                 self.client.abort([stream.request_id])
-            if delta or finish or ev.token_id >= 0:
-                yield StreamDelta(0, delta, [ev.token_id] if ev.token_id >= 0 else [], finish)
-            if finish:
-                return
-
-    def _detokenizer(self, p: SamplingParams) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens, p.stop, p.include_stop_str_in_output)
 
     def _collect(self, text, ids, p: SamplingParams, streams: list[RequestStream]) -> RequestOutput:
-        outputs = []
-        cached = 0
-        prompt_lps = None
+        out = RequestOutputState(self.tokenizer, p)
+        outputs = [CompletionOutput(i, logprobs=[] if p.logprobs is not None else None) for i in range(p.n)]
         for i, stream in enumerate(streams):
-            detok = self._detokenizer(p)
-            tokens, lps = [], [] if p.logprobs is not None else None
-            finish = None
-            for ev in stream:
-                if ev.error:
-                    raise RuntimeError(f"request failed in the engine: {ev.error}")
-                cached = max(cached, ev.num_cached_tokens)
-                if ev.prompt_logprobs is not None and i == 0:
-                    prompt_lps = (prompt_lps or []) + [ev.prompt_logprobs]
-                if finish is not None:
-                    continue  # ended by a stop string: drain until the engine confirms the abort
-                _, finish = detok.step(ev.token_id, ev.finish_reason.openai)
-                if ev.token_id >= 0:
-                    tokens.append(ev.token_id)
-                    if lps is not None:
-                        lps.append({"token_id": ev.token_id, "logprob": ev.logprob, "top": ev.top or []})
-                if detok.stopped_on is not None:
+            for ev in stream:  # to the engine's own finishing event (after a stop string: its abort)
+                try:
+                    d = out.process(i, ev)
+                except EngineRequestError as e:
+                    raise RuntimeError(f"request failed in the engine: {e}") from None
+                if d is None:
+                    continue
+                if d.abort_engine:
                     self.client.abort([stream.request_id])
-            outputs.append(CompletionOutput(i, detok.text, tokens, finish, lps, detok.stopped_on))
-        return RequestOutput(text, ids, outputs, cached, _join_prompt_logprobs(prompt_lps))
-
-
-def _join_prompt_logprobs(chunks) -> list | None:
-    if chunks is None:
-        return None
-    out = [None]  # the first prompt token has no logprob
-    for lp, ids, tlp in chunks:
-        for j in range(len(lp)):
-            out.append((float(lp[j]), list(zip(ids[j].tolist(), tlp[j].tolist()))))
-    return out
+                outputs[i].add(d)
+        return RequestOutput(text, ids, outputs, out.num_cached_tokens, out.prompt_logprobs)
 
 
 def _progress(total: int, use_tqdm: bool | None):

@@ -189,7 +189,8 @@ class Scheduler:
                     break  # share the first sample's prompt blocks once they are computed
                 req.prefix_parent = None
             total = req.num_prompt_tokens + (0 if req.saved_output is None else len(req.saved_output))
-            hits = self._lookup(req, total) if self._may_use_cache(req) else []
+            use_cache = self._may_use_cache(req)
+            hits = self._lookup(req, total) if use_cache else []
             computed = len(hits) * bs
             k = min(total - computed, budget)
             need = -(-(computed + k) // bs) - len(hits)
@@ -199,9 +200,12 @@ class Scheduler:
             self.pool.share(hits)
             req.block_ids = hits + self.pool.allocate(need)
             req.num_computed_tokens = computed
-            if req.first_scheduled_time is None:
+            if req.first_scheduled_time is None:  # first admission: not a resumption after preemption
                 req.first_scheduled_time = time.monotonic()
                 req.num_cached_tokens = computed
+                if use_cache:  # counted once admitted, not on every step a request waits for blocks
+                    self.prefix_queries += req.num_prompt_tokens
+                    self.prefix_hits += computed
             req.status = Status.RUNNING
             self.waiting.popleft()
             b.add(req)
@@ -227,9 +231,6 @@ class Scheduler:
             if bid is None:
                 break
             hits.append(bid)
-        if req.first_scheduled_time is None:  # count first admissions only, not resumptions
-            self.prefix_queries += req.num_prompt_tokens
-            self.prefix_hits += len(hits) * bs
         return hits
 
     def block_key(self, req: Request, j: int) -> bytes:

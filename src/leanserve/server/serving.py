@@ -1,9 +1,10 @@
 """Completions and chat completions: one generation stream shared by both, then OpenAI shapes.
 
-A ``Generation`` turns engine events into per-choice text pieces: incremental detokenization,
-stop strings (which abort the engine request), latency metrics, and, when the consumer goes away
-(client disconnect, error), an abort of whatever is still running, so the engine frees the
-request's blocks within one iteration.
+A ``Generation`` submits one engine request and reads its events through the shared output
+processor (``engine/output_processor.py``: detokenization, stop strings, logprobs, usage) as
+per-choice deltas, observes latency metrics, and, when the consumer goes away (client
+disconnect, error), aborts whatever is still running, so the engine frees the request's blocks
+within one iteration. The rest of this module is OpenAI shaping.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from starlette.responses import Response, StreamingResponse
 
 from ..engine.core import validate_request
 from ..engine.params import SamplingParams
-from ..tokenizer import IncrementalDetokenizer, Tokenizer
+from ..engine.output_processor import CompletionOutput, EngineRequestError, RequestOutputState, SampleDelta
+from ..tokenizer import Tokenizer
 from .engine_client import AsyncEngineClient, EngineDeadError, EngineOverloaded
 from .metrics import ServerMetrics
 from .protocol import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest, bad_request_from
@@ -45,44 +47,15 @@ class ServerState:
     max_logprobs: int
 
 
-@dataclass
-class Piece:
-    """What one engine event means for one choice."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[tuple[int, float, list]] | None  # (token id, logprob, [(id, logprob), ...])
-    finish_reason: str | None
-
-
-@dataclass
-class Usage:
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    prompt_logprobs: list | None = None  # per prompt position: None or (logprob, top)
-
-    def add(self, other: "Usage") -> None:
-        self.prompt_tokens += other.prompt_tokens
-        self.completion_tokens += other.completion_tokens
-        self.cached_tokens += other.cached_tokens
-
-    def to_json(self) -> dict:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
-        }
-
-
-class EngineRequestError(RuntimeError):
-    pass
+def usage_json(gens: list[Generation]) -> dict:
+    prompt = sum(g.prompt_len for g in gens)
+    completion = sum(g.output.completion_tokens for g in gens)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(g.output.num_cached_tokens for g in gens)}}
 
 
 class Generation:
-    """One engine request (its n samples), read as Pieces.
+    """One engine request (its n samples), read as SampleDeltas with choice indices.
 
     It is submitted when made, so admission (503) is decided before any response starts, and
     from then on it owns the engine's work: ``aclose()`` aborts whatever still runs, on every
@@ -90,19 +63,18 @@ class Generation:
     ``contextlib.aclosing``; ``start_all`` submits several all-or-nothing.
     """
 
-    def __init__(self, state: ServerState, prompt: np.ndarray, params: SamplingParams, usage: Usage,
-                 index_base: int = 0):
+    def __init__(self, state: ServerState, prompt: np.ndarray, params: SamplingParams, index_base: int = 0):
         try:
             self.ids, self._queue = state.engine.submit(prompt, params)
         except (EngineDeadError, EngineOverloaded) as e:
             raise APIError(503, str(e)) from None
-        self._state, self._params, self._usage, self._index_base = state, params, usage, index_base
-        self._live = set(range(params.n))  # samples the engine may still be running
-        usage.prompt_tokens += len(prompt)
-        self._events = self._pieces()
+        self.prompt_len = len(prompt)
+        self.output = RequestOutputState(state.tokenizer, params)
+        self._state, self._index_base = state, index_base
+        self._events = self._deltas()
 
     @staticmethod
-    def start_all(state: ServerState, jobs: list[tuple[np.ndarray, SamplingParams, Usage, int]]) -> list[Generation]:
+    def start_all(state: ServerState, jobs: list[tuple[np.ndarray, SamplingParams, int]]) -> list[Generation]:
         started: list[Generation] = []
         try:
             for job in jobs:
@@ -113,7 +85,7 @@ class Generation:
             raise
         return started
 
-    def __aiter__(self) -> AsyncIterator[Piece]:
+    def __aiter__(self) -> AsyncIterator[SampleDelta]:
         return self._events
 
     async def aclose(self) -> None:
@@ -121,56 +93,38 @@ class Generation:
         self.abort()
 
     def abort(self) -> None:
-        if self._live:
-            self._state.engine.abort([self.ids[i] for i in self._live])
-            self._live.clear()
+        live = self.output.live
+        if live:
+            self._state.engine.abort([self.ids[i] for i in live])
+            live.clear()
 
-    async def _pieces(self) -> AsyncIterator[Piece]:
-        state, params, usage, live = self._state, self._params, self._usage, self._live
-        metrics = state.metrics
+    async def _deltas(self) -> AsyncIterator[SampleDelta]:
+        metrics, out = self._state.metrics, self.output
         start = time.monotonic()
-        last = [None] * params.n
-        detoks = [IncrementalDetokenizer(state.tokenizer, params.skip_special_tokens, params.stop,
-                                         params.include_stop_str_in_output) for _ in range(params.n)]
-        cached = 0
-        try:
-            while live:
-                i, ev = await self._queue.get()
-                if i not in live:
-                    continue
-                if ev.error:
-                    metrics.request_finished("error")
-                    raise EngineRequestError(ev.error)
-                now = time.monotonic()
-                if ev.prompt_logprobs is not None and i == 0:
-                    usage.prompt_logprobs = (usage.prompt_logprobs or [None]) + _prompt_lp_rows(ev.prompt_logprobs)
-                tokens, lps = [], None
-                if ev.token_id >= 0:
-                    cached = max(cached, ev.num_cached_tokens)
-                    (metrics.ttft if last[i] is None else metrics.itl).observe(now - (last[i] or start))
-                    last[i] = now
-                    tokens = [ev.token_id]
-                    usage.completion_tokens += 1
-                    if params.logprobs is not None:
-                        lps = [(ev.token_id, ev.logprob, ev.top or [])]
-                delta, finish = detoks[i].step(ev.token_id, ev.finish_reason.openai)
-                if finish:
-                    live.discard(i)
-                    if detoks[i].stopped_on is not None:
-                        self._state.engine.abort([self.ids[i]])
-                    metrics.e2e.observe(now - start)
-                    metrics.request_finished(finish)
-                yield Piece(self._index_base + i, delta, tokens, lps, finish)
-        finally:
-            usage.cached_tokens += cached
+        last = [None] * out.params.n
+        while not out.finished:
+            i, ev = await self._queue.get()
+            try:
+                d = out.process(i, ev)
+            except EngineRequestError:
+                metrics.request_finished("error")
+                raise
+            if d is None:
+                continue
+            now = time.monotonic()
+            if d.token_ids:
+                (metrics.ttft if last[i] is None else metrics.itl).observe(now - (last[i] or start))
+                last[i] = now
+            if d.abort_engine:
+                self._state.engine.abort([self.ids[i]])
+            if d.finish_reason:
+                metrics.e2e.observe(now - start)
+                metrics.request_finished(d.finish_reason)
+            d.index += self._index_base
+            yield d
 
 
-def _prompt_lp_rows(chunk) -> list:
-    lp, ids, tlp = chunk
-    return [(float(lp[j]), list(zip(ids[j].tolist(), tlp[j].tolist()))) for j in range(len(lp))]
-
-
-async def merge(gens: list[Generation]) -> AsyncIterator[Piece]:
+async def merge(gens: list[Generation]) -> AsyncIterator[SampleDelta]:
     """Interleaves several generations (a completions request with several prompts); closing the
     merged stream closes every one of them."""
     if len(gens) == 1:
@@ -263,14 +217,15 @@ def _error_event(e: Exception) -> bytes:
                            "param": None, "code": status}})
 
 
-async def _stream(pieces: AsyncIterator[Piece], chunk, usage: Usage, include_usage: bool, final_chunk):
+async def _stream(deltas: AsyncIterator[SampleDelta], chunk, final_chunk=None):
+    """SSE: a chunk per delta that carries something, the usage chunk if asked for, [DONE]."""
     try:
-        async with contextlib.aclosing(pieces):
-            async for p in pieces:
-                if p.text or p.token_ids or p.finish_reason:
-                    yield _sse(chunk(p))
-        if include_usage:
-            yield _sse(final_chunk(usage))
+        async with contextlib.aclosing(deltas):
+            async for d in deltas:
+                if d.text or d.token_ids or d.finish_reason:
+                    yield _sse(chunk(d))
+        if final_chunk is not None:
+            yield _sse(final_chunk())
     except Exception as e:  # noqa: BLE001 - a mid-stream failure is reported in-band
         log.error("stream failed: %r", e, exc_info=not isinstance(e, (APIError, EngineRequestError)))
         yield _error_event(e)
@@ -288,28 +243,22 @@ def _sse_response(stream: AsyncIterator[bytes], gens: list[Generation]) -> Strea
     return StreamingResponse(stream, media_type="text/event-stream", background=BackgroundTask(abort_rest))
 
 
-async def _collect(pieces: AsyncIterator[Piece], n_choices: int) -> list[dict]:
-    choices = [{"text": [], "tokens": [], "logprobs": [], "finish_reason": None} for _ in range(n_choices)]
+async def _collect(deltas: AsyncIterator[SampleDelta], n_choices: int) -> list[CompletionOutput]:
+    choices = [CompletionOutput(i) for i in range(n_choices)]
     try:
-        async with contextlib.aclosing(pieces):
-            async for p in pieces:
-                c = choices[p.index]
-                c["text"].append(p.text)
-                c["tokens"] += p.token_ids
-                if p.logprobs:
-                    c["logprobs"] += p.logprobs
-                c["finish_reason"] = p.finish_reason or c["finish_reason"]
+        async with contextlib.aclosing(deltas):
+            async for d in deltas:
+                choices[d.index].add(d)
     except EngineRequestError as e:
         raise APIError(500, f"generation failed: {e}") from None
-    for c in choices:
-        c["text"] = "".join(c["text"])
     return choices
 
 
-async def _collect_unless_disconnected(request: Request, pieces: AsyncIterator[Piece], n_choices: int) -> list[dict]:
+async def _collect_unless_disconnected(request: Request, deltas: AsyncIterator[SampleDelta],
+                                       n_choices: int) -> list[CompletionOutput]:
     """A non-streaming request is aborted within one engine iteration when its client goes away,
     as a stream is: the body has been read, so the next ASGI message can only be the disconnect,
-    and a watcher cancels the collection then (closing ``pieces`` sends the abort)."""
+    and a watcher cancels the collection then (closing ``deltas`` sends the abort)."""
     collecting = asyncio.current_task()
     left = asyncio.Event()
 
@@ -320,7 +269,7 @@ async def _collect_unless_disconnected(request: Request, pieces: AsyncIterator[P
 
     watcher = asyncio.create_task(watch())
     try:
-        return await _collect(pieces, n_choices)
+        return await _collect(deltas, n_choices)
     except asyncio.CancelledError:
         if left.is_set():
             raise APIError(499, "the client closed the request") from None  # nginx's code; nobody reads it
@@ -383,10 +332,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
     _check_capacity(state, req.n * len(prompts), "n" if len(prompts) == 1 else "prompt")
 
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-    usages = [Usage() for _ in prompts]
-    gens = Generation.start_all(state, [(ids, p, u, k * req.n) for k, ((_, ids), p, u) in
-                                        enumerate(zip(prompts, per_prompt, usages))])
-    pieces = merge(gens)
+    gens = Generation.start_all(state, [(ids, p, k * req.n) for k, ((_, ids), p) in enumerate(zip(prompts, per_prompt))])
+    deltas = merge(gens)
     tok = state.tokenizer
     head = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name}
     offsets = [0] * (len(prompts) * req.n)
@@ -395,51 +342,44 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
         if req.logprobs is None:
             return None
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for token_id, lp, top in lps or []:
-            s = _token_str(tok, token_id)
+        for t in lps or []:
+            s = _token_str(tok, t["token_id"])
             out["tokens"].append(s)
-            out["token_logprobs"].append(lp)
-            out["top_logprobs"].append({_token_str(tok, t): v for t, v in top})
+            out["token_logprobs"].append(t["logprob"])
+            out["top_logprobs"].append({_token_str(tok, a): v for a, v in t["top"]})
             out["text_offset"].append(offsets[index])
             offsets[index] += len(s)
         return out
 
-    def total_usage() -> Usage:
-        u = Usage()
-        for x in usages:
-            u.add(x)
-        return u
-
     if req.stream:
         echoed = set()
 
-        def chunk(p: Piece):
-            text = p.text
-            if req.echo and p.index not in echoed:
-                echoed.add(p.index)
-                prompt_text = prompts[p.index // req.n][0] or tok.decode(prompts[p.index // req.n][1])
+        def chunk(d: SampleDelta):
+            text = d.text
+            if req.echo and d.index not in echoed:
+                echoed.add(d.index)
+                prompt_text = prompts[d.index // req.n][0] or tok.decode(prompts[d.index // req.n][1])
                 text = prompt_text + text
-            return {**head, "choices": [{"index": p.index, "text": text, "logprobs": logprobs_json(p.index, p.logprobs),
-                                         "finish_reason": p.finish_reason}]}
+            return {**head, "choices": [{"index": d.index, "text": text, "logprobs": logprobs_json(d.index, d.logprobs),
+                                         "finish_reason": d.finish_reason}]}
 
-        include = bool(req.stream_options and req.stream_options.include_usage)
-        return _sse_response(
-            _stream(pieces, chunk, usages[0], include, lambda _: {**head, "choices": [], "usage": total_usage().to_json()}),
-            gens)
+        usage_chunk = (lambda: {**head, "choices": [], "usage": usage_json(gens)}) \
+            if req.stream_options and req.stream_options.include_usage else None
+        return _sse_response(_stream(deltas, chunk, usage_chunk), gens)
 
-    choices = await _collect_unless_disconnected(request, pieces, len(prompts) * req.n)
+    choices = await _collect_unless_disconnected(request, deltas, len(prompts) * req.n)
     out = []
-    for i, c in enumerate(choices):
-        text = c["text"]
-        prompt_text, prompt_ids = prompts[i // req.n]
-        lp = logprobs_json(i, c["logprobs"]) if req.logprobs is not None else None
+    for c in choices:
+        text = c.text
+        prompt_text, prompt_ids = prompts[c.index // req.n]
+        lp = logprobs_json(c.index, c.logprobs) if req.logprobs is not None else None
         if req.echo:
             prompt_text = prompt_text if prompt_text is not None else tok.decode(prompt_ids)
             text = prompt_text + text
             if lp is not None:
-                lp = _echo_logprobs(tok, prompt_ids, usages[i // req.n].prompt_logprobs, lp)
-        out.append({"index": i, "text": text, "logprobs": lp, "finish_reason": c["finish_reason"]})
-    return Response(_json({**head, "choices": out, "usage": total_usage().to_json()}), media_type="application/json")
+                lp = _echo_logprobs(tok, prompt_ids, gens[c.index // req.n].output.prompt_logprobs, lp)
+        out.append({"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})
+    return Response(_json({**head, "choices": out, "usage": usage_json(gens)}), media_type="application/json")
 
 
 def _echo_logprobs(tok, prompt_ids, prompt_lps, lp):
@@ -486,9 +426,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     _check_capacity(state, req.n, "n")
 
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-    usage = Usage()
-    gens = [Generation(state, ids, params, usage)]
-    pieces = merge(gens)
+    gens = [Generation(state, ids, params)]
+    deltas = merge(gens)
     head = {"id": rid, "created": created, "model": state.model_name}
 
     def logprobs_json(lps):
@@ -499,29 +438,27 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
             s = _token_str(tok, t)
             return {"token": s, "logprob": v, "bytes": list(s.encode("utf-8"))}
 
-        return {"content": [{**entry(t, v), "top_logprobs": [entry(a, b) for a, b in top]} for t, v, top in lps or []]}
+        return {"content": [{**entry(t["token_id"], t["logprob"]), "top_logprobs": [entry(a, b) for a, b in t["top"]]}
+                            for t in lps or []]}
 
     if req.stream:
         started = set()
 
-        def chunk(p: Piece):
-            delta = {"content": p.text}
-            if p.index not in started:  # the role rides on the choice's first real chunk
-                started.add(p.index)
+        def chunk(d: SampleDelta):
+            delta = {"content": d.text}
+            if d.index not in started:  # the role rides on the choice's first real chunk
+                started.add(d.index)
                 delta = {"role": "assistant", **delta}
             return {**head, "object": "chat.completion.chunk",
-                    "choices": [{"index": p.index, "delta": delta, "logprobs": logprobs_json(p.logprobs),
-                                 "finish_reason": p.finish_reason}]}
+                    "choices": [{"index": d.index, "delta": delta, "logprobs": logprobs_json(d.logprobs),
+                                 "finish_reason": d.finish_reason}]}
 
-        include = bool(req.stream_options and req.stream_options.include_usage)
-        return _sse_response(
-            _stream(pieces, chunk, usage, include,
-                    lambda u: {**head, "object": "chat.completion.chunk", "choices": [], "usage": u.to_json()}),
-            gens)
+        usage_chunk = (lambda: {**head, "object": "chat.completion.chunk", "choices": [], "usage": usage_json(gens)}) \
+            if req.stream_options and req.stream_options.include_usage else None
+        return _sse_response(_stream(deltas, chunk, usage_chunk), gens)
 
-    choices = await _collect_unless_disconnected(request, pieces, req.n)
-    out = [{"index": i, "message": {"role": "assistant", "content": c["text"]},
-            "logprobs": logprobs_json(c["logprobs"]), "finish_reason": c["finish_reason"]}
-           for i, c in enumerate(choices)]
-    return Response(_json({**head, "object": "chat.completion", "choices": out, "usage": usage.to_json()}),
+    choices = await _collect_unless_disconnected(request, deltas, req.n)
+    out = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+            "logprobs": logprobs_json(c.logprobs), "finish_reason": c.finish_reason} for c in choices]
+    return Response(_json({**head, "object": "chat.completion", "choices": out, "usage": usage_json(gens)}),
                     media_type="application/json")
