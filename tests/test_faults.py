@@ -20,7 +20,7 @@ import pytest
 
 from leanserve.engine.config import EngineConfig
 from leanserve.engine.params import SamplingParams
-from leanserve.server.engine_client import AsyncEngineClient
+from leanserve.engine.async_client import AsyncEngineClient
 
 from .server_util import LiveServer, write_chat_template
 

@@ -12,9 +12,9 @@ from typing import Iterator
 
 import numpy as np
 
-from .engine.client import InprocClient, RequestStream
+from .engine.inproc_client import InprocClient, RequestStream
 from .engine.config import EngineConfig
-from .engine.core import EngineCore
+from .engine.core import EngineCore, prompt_from_token_ids
 from .engine.output_processor import CompletionOutput, EngineRequestError, RequestOutputState
 from .engine.params import SamplingParams
 from .model.loader import resolve_model_path
@@ -70,10 +70,7 @@ class LLM:
             prompt = prompt["prompt"] if "prompt" in prompt else prompt["prompt_token_ids"]
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
-        ids = np.asarray(prompt, dtype=np.int32)
-        if ids.ndim != 1 or (len(ids) and (ids.min() < 0 or ids.max() >= self.engine.vocab_size)):
-            raise ValueError(f"prompt: token ids must be a flat list in [0, {self.engine.vocab_size})")
-        return None, ids
+        return None, prompt_from_token_ids(prompt, self.engine.vocab_size)
 
     def chat_prompt(self, messages: list[dict]) -> np.ndarray:
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)

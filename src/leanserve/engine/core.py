@@ -32,11 +32,21 @@ from .config import EngineConfig, available_memory_bytes
 from .kv_cache import KVCache
 from .model_runner import ModelRunner, build_model_input
 from .params import SamplingParams
-from .request import FinishReason, Request, StepOutput
+from .messages import Abort, Add, StepOutput
+from .request import FinishReason, Request
 from .scheduler import ScheduledBatch, Scheduler
 from .stats import IterationStats
 
 log = logging.getLogger("leanserve.engine")
+
+# The loop sleeps on ``wakeup`` (set by every enqueue) when idle; the timeout only bounds how
+# long a stop() can take to be noticed.
+IDLE_WAIT_S = 0.1
+# Work exists but nothing is runnable (e.g. every request waits for blocks): yield the GIL
+# briefly rather than spin, without adding visible latency.
+BLOCKED_WAIT_S = 0.001
+# Queue times awaiting the stats thread (drained every 0.5 s): bounded if nobody drains them.
+MAX_PENDING_QUEUE_TIMES = 65536
 
 
 def validate_request(prompt_len: int, params: SamplingParams, max_model_len: int, vocab_size: int,
@@ -52,6 +62,21 @@ def validate_request(prompt_len: int, params: SamplingParams, max_model_len: int
         raise ValueError(
             f"max_tokens: {params.max_tokens} + {prompt_len} prompt tokens exceeds max_model_len={max_model_len}"
         )
+
+
+def prompt_from_token_ids(ids, vocab_size: int) -> np.ndarray:
+    """Caller-given token ids -> the engine's int32 prompt array, checked (the one conversion, at
+    the boundary; an int32 array is checked and kept as is). Raises ValueError naming the field."""
+    if isinstance(ids, np.ndarray) and ids.dtype == np.int32:
+        wide = ids
+    else:
+        try:
+            wide = np.asarray(ids, np.int64)
+        except (OverflowError, ValueError, TypeError):
+            wide = None
+    if wide is None or wide.ndim != 1 or (len(wide) and (wide.min() < 0 or wide.max() >= vocab_size)):
+        raise ValueError(f"prompt: token ids must be a flat list in [0, {vocab_size})")
+    return wide if wide is ids else wide.astype(np.int32)
 
 
 class EngineCore:
@@ -96,12 +121,12 @@ class EngineCore:
 
         self.requests: dict[int, Request] = {}
         self.generators: dict[int, torch.Generator] = {}
-        self._inbox: deque = deque()
+        self._inbox: deque[tuple[Add, np.ndarray] | Abort] = deque()
         self.wakeup = threading.Event()
         # Counters read by the metrics exporter.
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
-        self.queue_times: deque[float] = deque(maxlen=65536)  # seconds, per first admission
+        self.queue_times: deque[float] = deque(maxlen=MAX_PENDING_QUEUE_TIMES)  # seconds, per first admission
 
     # ------------------------------------------------------------------ boundary (any thread)
     def add_request(self, request_id: int, prompt: np.ndarray, params: SamplingParams,
@@ -114,11 +139,11 @@ class EngineCore:
         if not isinstance(prompt, np.ndarray) or prompt.dtype != np.int32 or prompt.ndim != 1:
             raise ValueError("prompt: must be a 1-D int32 numpy array of token ids")
         validate_request(len(prompt), params, self.max_model_len, self.vocab_size, self.config.max_logprobs)
-        self._inbox.append((request_id, prompt, params, arrival_time or time.monotonic()))
+        self._inbox.append((Add(request_id, params, arrival_time or time.monotonic()), prompt))
         self.wakeup.set()
 
     def abort(self, request_ids) -> None:
-        self._inbox.append((None, list(request_ids), None, None))
+        self._inbox.append(Abort(list(request_ids)))
         self.wakeup.set()
 
     @property
@@ -164,27 +189,32 @@ class EngineCore:
         return True
 
     def _fetch(self) -> list[int]:
+        """Takes aborts, and at most ``max_new_requests_per_step`` new requests, from the inbox;
+        returns the ids it aborted."""
         aborted = []
         added = 0
         inbox = self._inbox
         while inbox:
-            request_id, payload, params, arrival = inbox[0]
-            if request_id is not None and added >= self.config.max_new_requests_per_step:
-                break
-            inbox.popleft()
-            if request_id is None:
-                for rid in payload:
-                    req = self.requests.pop(rid, None)
+            item = inbox[0]
+            if isinstance(item, Abort):
+                inbox.popleft()
+                for rid in item.request_ids:
+                    req = self.requests.get(rid)
                     if req is not None:
                         self.scheduler.finish(req)
-                        self.generators.pop(rid, None)
+                        self._forget(req)
                         aborted.append(rid)
                 continue
+            if added >= self.config.max_new_requests_per_step:
+                break
+            inbox.popleft()
             added += 1
-            first = None
+            add, prompt = item
+            params, first = add.params, None
             for i in range(params.n):
                 seed = None if params.seed is None else params.seed + i
-                req = Request(request_id + i, payload, params, seed, prefix_parent=first, arrival_time=arrival)
+                req = Request(add.request_id + i, prompt, params, seed, prefix_parent=first,
+                              arrival_time=add.arrival_time)
                 first = first or req
                 if seed is not None:
                     self.generators[req.request_id] = torch.Generator(self.runner.device).manual_seed(
@@ -223,8 +253,7 @@ class EngineCore:
         done = reasons != 0
         if done.any():
             for req in sch.finish_slots(ss[done]):
-                del self.requests[req.request_id]
-                self.generators.pop(req.request_id, None)
+                self._forget(req)
         step_out = StepOutput(request_ids.tobytes(), tokens.tobytes(), reasons.tobytes(), cached.tobytes())
         sampled = out.sampled
         if sampled.logprobs is not None:
@@ -249,12 +278,16 @@ class EngineCore:
             np.full(k, reason, np.int8).tobytes(), np.zeros(k, np.int32).tobytes(),
         )
 
+    def _forget(self, req: Request) -> None:
+        """The core's own records of a request, dropped once the scheduler has finished it."""
+        del self.requests[req.request_id]
+        self.generators.pop(req.request_id, None)
+
     def _fail(self, sched: ScheduledBatch, error: str) -> StepOutput:
         reqs = [self.batch.requests[s] for s in sched.decode_slots] + [r for r, _, _ in sched.prefills]
         for req in reqs:
             self.scheduler.finish(req)
-            self.requests.pop(req.request_id, None)
-            self.generators.pop(req.request_id, None)
+            self._forget(req)
         failed = [r.request_id for r in reqs]
         out = self._finished_output(failed, FinishReason.ERROR)
         out.errors = {rid: error for rid in failed}
@@ -284,7 +317,7 @@ class EngineLoop:
         self.thread_id = threading.get_ident()
         while not self._stop:
             if not core.has_work:
-                core.wakeup.wait(0.1)
+                core.wakeup.wait(IDLE_WAIT_S)
                 core.wakeup.clear()
                 continue
             self.step_started = time.monotonic()
@@ -292,7 +325,7 @@ class EngineLoop:
             self.step_started = None
             if not ran:
                 # Work exists but none is runnable now (e.g. waiting for blocks): yield briefly.
-                core.wakeup.wait(0.001)
+                core.wakeup.wait(BLOCKED_WAIT_S)
                 core.wakeup.clear()
 
     def stop(self) -> None:

@@ -31,10 +31,6 @@ class SamplingParams(msgspec.Struct, kw_only=True, array_like=True, omit_default
     include_stop_str_in_output: bool = False
 
     @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
-
-    @property
     def uses_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 

@@ -1,4 +1,4 @@
-"""A request as the engine holds it, and the messages that cross the engine's boundary.
+"""A request as the engine holds it.
 
 The prompt is held as the int32 array it arrived as: never copied, never turned back into a
 Python list. Output tokens live in the batch's per-slot buffer while the request runs
@@ -10,7 +10,6 @@ from __future__ import annotations
 import enum
 import time
 
-import msgspec
 import numpy as np
 
 from .params import SamplingParams
@@ -38,7 +37,7 @@ class Request:
     __slots__ = (
         "request_id", "prompt", "params", "num_prompt_tokens", "status", "slot", "block_ids", "block_keys",
         "num_computed_tokens", "num_cached_tokens", "saved_output", "prefix_parent", "arrival_time",
-        "first_scheduled_time", "num_preemptions", "seed", "error",
+        "first_scheduled_time", "num_preemptions", "seed",
     )
 
     def __init__(self, request_id: int, prompt: np.ndarray, params: SamplingParams, seed: int | None = None,
@@ -60,41 +59,3 @@ class Request:
         self.first_scheduled_time: float | None = None
         self.num_preemptions = 0
         self.seed = seed
-        self.error: str | None = None
-
-
-class EngineRequest(msgspec.Struct, array_like=True, gc=False):
-    """An enqueue: the prompt travels as raw int32 bytes (decoded zero-copy with np.frombuffer)."""
-
-    request_id: int
-    prompt: bytes | memoryview
-    params: SamplingParams
-    arrival_time: float = 0.0
-
-
-class StepOutput(msgspec.Struct, array_like=True, gc=False):
-    """Everything one iteration produced, as flat arrays: one message per iteration, not per token.
-
-    Row i: request ``request_ids[i]`` got token ``token_ids[i]`` (-1: no token, e.g. abort) and
-    finished with ``finish_reasons[i]`` (0: still running). Logprob arrays are present only when
-    some row asked for them (rows that did not are NaN / -1).
-    """
-
-    request_ids: bytes  # int64
-    token_ids: bytes  # int32
-    finish_reasons: bytes  # int8
-    num_cached_tokens: bytes  # int32, prompt tokens served from the prefix cache (usage reporting)
-    logprobs: bytes | None = None  # float32 [rows]
-    top_ids: bytes | None = None  # int32 [rows, k]
-    top_logprobs: bytes | None = None  # float32 [rows, k]
-    top_k: int = 0
-    prompt_logprobs: dict[int, tuple[bytes, bytes, bytes, int]] = {}  # id -> (logprob, top ids, top lps, k)
-    errors: dict[int, str] = {}
-
-    def arrays(self):
-        return (
-            np.frombuffer(self.request_ids, np.int64),
-            np.frombuffer(self.token_ids, np.int32),
-            np.frombuffer(self.finish_reasons, np.int8),
-            np.frombuffer(self.num_cached_tokens, np.int32),
-        )

@@ -2,8 +2,9 @@
 
 Host step time follows TensorRT-LLM's ``host_step_time``: wall time from the top of one loop
 iteration to the top of the next, i.e. everything the host does (fetch, schedule, input
-preparation, forward, sampling, output, GC). Forward time is measured separately around the
-model call; on CUDA the runner records it with events instead of synchronising for stats.
+preparation, forward, sampling, output, GC). Forward time is wall time (``perf_counter``) around
+the model call. On CUDA that call only queues kernels; the sampler's copy of its results to the
+host waits for them, so there the GPU's forward time shows up in sample time.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The API process: FastAPI app, OpenAI routes, errors as OpenAI error objects, and serve().
 
 This process does HTTP, JSON, tokenization, chat templates, detokenization and stop strings;
-the engine-core process (spawned at start-up) runs only the executor loop.
+the engine-core process (spawned at start-up by ``engine.async_client``) runs only the loop.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
 from .. import __version__
+from ..engine.async_client import AsyncEngineClient
 from ..engine.config import EngineConfig
 from ..model.loader import resolve_model_path
 from ..tokenizer import Tokenizer
-from .engine_client import AsyncEngineClient
 from .metrics import ServerMetrics
 from .middleware import Gatekeeper
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, InvalidString,

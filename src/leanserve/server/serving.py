@@ -24,11 +24,11 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from ..engine.core import validate_request
-from ..engine.params import SamplingParams
+from ..engine.async_client import AsyncEngineClient, EngineDeadError, EngineOverloaded
+from ..engine.core import prompt_from_token_ids, validate_request
 from ..engine.output_processor import CompletionOutput, EngineRequestError, RequestOutputState, SampleDelta
+from ..engine.params import SamplingParams
 from ..tokenizer import Tokenizer
-from .engine_client import AsyncEngineClient, EngineDeadError, EngineOverloaded
 from .metrics import ServerMetrics
 from .protocol import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest, bad_request_from
 
@@ -304,16 +304,10 @@ async def _completion_prompts(state: ServerState, prompt) -> list[tuple[str | No
         encoded = await run_in_threadpool(tok.encode_batch, prompt)
         return list(zip(prompt, encoded))
     lists = [prompt] if isinstance(prompt[0], int) else prompt
-    out = []
-    for ids in lists:
-        try:
-            wide = np.asarray(ids, np.int64)
-        except (OverflowError, ValueError, TypeError):
-            wide = None
-        if wide is None or wide.ndim != 1 or (len(wide) and (wide.min() < 0 or wide.max() >= state.vocab_size)):
-            raise APIError(400, f"prompt: token ids must be in [0, {state.vocab_size})", "prompt")
-        out.append((None, wide.astype(np.int32)))  # the one conversion to the engine's form, at the boundary
-    return out
+    try:
+        return [(None, prompt_from_token_ids(ids, state.vocab_size)) for ids in lists]
+    except ValueError as e:
+        raise bad_request_from(e) from None
 
 
 async def create_completion(state: ServerState, req: CompletionRequest, request: Request):

@@ -145,9 +145,6 @@ class Tokenizer:
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(map(int, ids)), skip_special_tokens=skip_special_tokens)
 
-    def id_to_token(self, token_id: int) -> str | None:
-        return self.backend.id_to_token(int(token_id))
-
     @functools.cached_property
     def max_token_chars(self) -> int:
         """The most characters one token stands for (special tokens included): text longer than

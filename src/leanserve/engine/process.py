@@ -28,8 +28,8 @@ import msgspec
 import numpy as np
 import zmq
 
-from ..engine.config import EngineConfig
-from ..engine.core import EngineCore, EngineLoop
+from .config import EngineConfig
+from .core import EngineCore, EngineLoop
 from .messages import STATS_PERIOD_S, Abort, Add, EngineStats, FromEngine, Ready, Rejected, Step, ToEngine
 
 log = logging.getLogger("leanserve.engine")

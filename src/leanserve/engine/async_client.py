@@ -1,4 +1,4 @@
-"""The API process's handle on the engine-core process.
+"""The async client: the API process's handle on the engine-core process it spawns.
 
 Spawns the engine process, sends it requests (prompt as a raw int32 frame) and aborts, and
 reads its per-iteration outputs in one asyncio task, demultiplexing rows to per-request queues.
@@ -17,7 +17,6 @@ What can go wrong, and what each pending request then sees (nothing ever waits s
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import multiprocessing
 import os
@@ -29,12 +28,12 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from ..engine.client import TokenEvent, demux
-from ..engine.config import EngineConfig
-from ..engine.params import SamplingParams
-from ..engine.request import FinishReason
-from .engine_proc import run_engine_process
-from .messages import STATS_PERIOD_S, Abort, Add, EngineStats, FromEngine, Ready, Rejected, Step
+from .config import EngineConfig
+from .messages import (STATS_PERIOD_S, Abort, Add, EngineStats, FromEngine, Ready, Rejected, RequestIds, Step,
+                       TokenEvent, demux)
+from .params import SamplingParams
+from .process import run_engine_process
+from .request import FinishReason
 
 log = logging.getLogger("leanserve.server")
 
@@ -66,7 +65,7 @@ class AsyncEngineClient:
         self.ready: Ready | None = None
         self.latest_stats: EngineStats | None = None
         self._last_heard = time.monotonic()
-        self._ids = itertools.count()
+        self._ids = RequestIds()
         self._queues: dict[int, tuple[asyncio.Queue, int]] = {}  # engine id -> (queue, sample index)
         self._tasks: list[asyncio.Task] = []
         self._proc: multiprocessing.Process | None = None
@@ -137,9 +136,7 @@ class AsyncEngineClient:
         """Sends a request; returns its engine ids (one per sample) and the queue its events arrive on
         as (sample index, TokenEvent). Either everything is registered and sent, or nothing is."""
         self.check_admission(params.n)
-        base = next(self._ids)
-        for _ in range(params.n - 1):
-            next(self._ids)
+        base = self._ids.take(params.n)
         header = self._encoder.encode(Add(base, params, time.monotonic()))  # may raise: nothing held yet
         ids = [base + i for i in range(params.n)]
         q: asyncio.Queue = asyncio.Queue()

@@ -1,67 +1,22 @@
-"""Clients of the engine core: turn per-iteration StepOutputs into per-request event streams.
-
-``demux`` is shared by the in-process client (offline API, tests) and the API process's client
-(server), so both read the engine's batched output the same way.
-"""
+"""The in-process client: the engine core on a thread of this process (offline API, tests),
+its per-iteration StepOutputs turned into per-request event streams by ``messages.demux``, as
+the API process's client does with the engine process's."""
 
 from __future__ import annotations
 
-import itertools
 import logging
 import queue
 import threading
-from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import numpy as np
 
 from .core import EngineCore, EngineLoop
 from .params import SamplingParams
-from .request import FinishReason, StepOutput
+from .messages import RequestIds, StepOutput, TokenEvent, demux
+from .request import FinishReason
 
 log = logging.getLogger("leanserve.engine")
-
-
-@dataclass
-class TokenEvent:
-    token_id: int  # -1: no token (abort / error)
-    finish_reason: FinishReason
-    num_cached_tokens: int = 0
-    logprob: float | None = None
-    top: list[tuple[int, float]] | None = None  # (token id, logprob), best first
-    prompt_logprobs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
-    error: str | None = None
-
-
-def demux(out: StepOutput) -> Iterator[tuple[int, TokenEvent]]:
-    """One event per row. A row that cannot be read becomes an error event for its own request:
-    one request's output never stops the others' (the reader that calls this is shared)."""
-    ids, toks, reasons, cached = out.arrays()
-    lps = np.frombuffer(out.logprobs, np.float32) if out.logprobs is not None else None
-    k = out.top_k
-    top_ids = np.frombuffer(out.top_ids, np.int32).reshape(-1, k) if k else None
-    top_lps = np.frombuffer(out.top_logprobs, np.float32).reshape(-1, k) if k else None
-    for i, rid in enumerate(ids.tolist()):
-        try:
-            ev = TokenEvent(int(toks[i]), FinishReason(int(reasons[i])), int(cached[i]))
-            if lps is not None:
-                ev.logprob = float(lps[i])
-                if k:
-                    ev.top = list(zip(top_ids[i].tolist(), top_lps[i].tolist()))
-            if rid in out.prompt_logprobs:
-                ev.prompt_logprobs = _prompt_logprobs(*out.prompt_logprobs[rid])
-            if rid in out.errors:
-                ev.error = out.errors[rid]
-        except Exception as e:  # noqa: BLE001 - reported to the one request it concerns
-            ev = TokenEvent(-1, FinishReason.ERROR, error=f"could not read the engine's output: {e!r}")
-        yield rid, ev
-
-
-def _prompt_logprobs(lp: bytes, ids: bytes, tlp: bytes, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(logprob per position, top-k ids, top-k logprobs); k may be 0 (``logprobs: 0`` asks for
-    the prompt tokens' own logprobs and no alternatives), so rows come from ``lp``, not from k."""
-    lp = np.frombuffer(lp, np.float32)
-    return lp, np.frombuffer(ids, np.int32).reshape(len(lp), k), np.frombuffer(tlp, np.float32).reshape(len(lp), k)
 
 
 class RequestStream:
@@ -89,7 +44,7 @@ class InprocClient:
     """
 
     def __init__(self, make_core: Callable[[], EngineCore]):
-        self._ids = itertools.count()
+        self._ids = RequestIds()
         self._lock = threading.Lock()
         self._streams: dict[int, RequestStream] = {}
         self.failure: str | None = None
@@ -121,9 +76,7 @@ class InprocClient:
         with self._lock:
             if self.failure is not None:
                 raise RuntimeError(self.failure)
-            base = next(self._ids)
-            for _ in range(params.n - 1):
-                next(self._ids)
+            base = self._ids.take(params.n)
             streams = [RequestStream(base + i) for i in range(params.n)]
             for s in streams:
                 self._streams[s.request_id] = s

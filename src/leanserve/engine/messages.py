@@ -1,0 +1,153 @@
+"""The engine's messages: what goes in (Add, Abort), what comes out (one StepOutput per
+iteration, read per request with ``demux``), and, between the API process and the engine-core
+process (ZeroMQ + msgspec), start-up, rejections and stats.
+
+API -> engine (PUSH/PULL), multipart: frame 0 is a msgpack-encoded ``Add`` or ``Abort``; an
+``Add`` carries the prompt as frame 1, the raw int32 buffer, which the engine wraps with
+``np.frombuffer`` without copying.
+Engine -> API (PUSH/PULL): one ``StepOutput`` per iteration, and an ``EngineStats`` snapshot
+every half second (counters, gauges and the iteration rows recorded since the last one), which
+doubles as the engine's heartbeat.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import msgspec
+import numpy as np
+
+from .params import SamplingParams
+from .request import FinishReason
+
+# The engine sends an EngineStats snapshot at least this often, idle or not: its heartbeat.
+STATS_PERIOD_S = 0.5
+
+
+class StepOutput(msgspec.Struct, array_like=True, gc=False):
+    """Everything one iteration produced, as flat arrays: one message per iteration, not per token.
+
+    Row i: request ``request_ids[i]`` got token ``token_ids[i]`` (-1: no token, e.g. abort) and
+    finished with ``finish_reasons[i]`` (0: still running). Logprob arrays are present only when
+    some row asked for them (rows that did not are NaN / -1).
+    """
+
+    request_ids: bytes  # int64
+    token_ids: bytes  # int32
+    finish_reasons: bytes  # int8
+    num_cached_tokens: bytes  # int32, prompt tokens served from the prefix cache (usage reporting)
+    logprobs: bytes | None = None  # float32 [rows]
+    top_ids: bytes | None = None  # int32 [rows, k]
+    top_logprobs: bytes | None = None  # float32 [rows, k]
+    top_k: int = 0
+    prompt_logprobs: dict[int, tuple[bytes, bytes, bytes, int]] = {}  # id -> (logprob, top ids, top lps, k)
+    errors: dict[int, str] = {}
+
+    def arrays(self):
+        return (
+            np.frombuffer(self.request_ids, np.int64),
+            np.frombuffer(self.token_ids, np.int32),
+            np.frombuffer(self.finish_reasons, np.int8),
+            np.frombuffer(self.num_cached_tokens, np.int32),
+        )
+
+
+@dataclass
+class TokenEvent:
+    token_id: int  # -1: no token (abort / error)
+    finish_reason: FinishReason
+    num_cached_tokens: int = 0
+    logprob: float | None = None
+    top: list[tuple[int, float]] | None = None  # (token id, logprob), best first
+    prompt_logprobs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    error: str | None = None
+
+
+def demux(out: StepOutput) -> Iterator[tuple[int, TokenEvent]]:
+    """One event per row. A row that cannot be read becomes an error event for its own request:
+    one request's output never stops the others' (the reader that calls this is shared)."""
+    ids, toks, reasons, cached = out.arrays()
+    lps = np.frombuffer(out.logprobs, np.float32) if out.logprobs is not None else None
+    k = out.top_k
+    top_ids = np.frombuffer(out.top_ids, np.int32).reshape(-1, k) if k else None
+    top_lps = np.frombuffer(out.top_logprobs, np.float32).reshape(-1, k) if k else None
+    for i, rid in enumerate(ids.tolist()):
+        try:
+            ev = TokenEvent(int(toks[i]), FinishReason(int(reasons[i])), int(cached[i]))
+            if lps is not None:
+                ev.logprob = float(lps[i])
+                if k:
+                    ev.top = list(zip(top_ids[i].tolist(), top_lps[i].tolist()))
+            if rid in out.prompt_logprobs:
+                ev.prompt_logprobs = _prompt_logprobs(*out.prompt_logprobs[rid])
+            if rid in out.errors:
+                ev.error = out.errors[rid]
+        except Exception as e:  # noqa: BLE001 - reported to the one request it concerns
+            ev = TokenEvent(-1, FinishReason.ERROR, error=f"could not read the engine's output: {e!r}")
+        yield rid, ev
+
+
+def _prompt_logprobs(lp: bytes, ids: bytes, tlp: bytes, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(logprob per position, top-k ids, top-k logprobs); k may be 0 (``logprobs: 0`` asks for
+    the prompt tokens' own logprobs and no alternatives), so rows come from ``lp``, not from k."""
+    lp = np.frombuffer(lp, np.float32)
+    return lp, np.frombuffer(ids, np.int32).reshape(len(lp), k), np.frombuffer(tlp, np.float32).reshape(len(lp), k)
+
+
+class RequestIds:
+    """Engine request ids: a request of n samples takes n consecutive ids, ``base .. base + n - 1``
+    (the engine derives the samples' ids from ``Add.request_id`` the same way)."""
+
+    def __init__(self):
+        self._next = 0
+
+    def take(self, n: int) -> int:
+        base, self._next = self._next, self._next + n
+        return base
+
+
+class Add(msgspec.Struct, tag="add", array_like=True, gc=False):
+    request_id: int
+    params: SamplingParams
+    arrival_time: float
+
+
+class Abort(msgspec.Struct, tag="abort", array_like=True, gc=False):
+    request_ids: list[int]
+
+
+class Ready(msgspec.Struct, tag="ready", array_like=True):
+    max_model_len: int
+    vocab_size: int
+    num_kv_blocks: int
+
+
+class Rejected(msgspec.Struct, tag="rejected", array_like=True):
+    """An Add the engine refused at validation (the API validates first; this is the backstop)."""
+
+    request_id: int
+    error: str
+
+
+class EngineStats(msgspec.Struct, tag="stats", array_like=True, gc=False):
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    prefix_queries_total: int
+    prefix_hits_total: int
+    preemptions_total: int
+    iterations: bytes  # float64 rows of engine.stats.FIELDS recorded since the last snapshot
+    queue_times: list[float]
+    current_step_s: float  # how long the iteration in progress has run (0 between iterations)
+
+
+class Step(msgspec.Struct, tag="step", array_like=True, gc=False):
+    out: StepOutput
+
+
+ToEngine = Add | Abort
+FromEngine = Step | EngineStats | Ready | Rejected
