@@ -98,9 +98,9 @@ def cmd_serve(a) -> None:
 
 
 def cmd_bench(a) -> None:
-    from .bench import host, serve
+    from .bench import host, serve, soak
 
-    {"host": host.main, "serve": serve.main}[a.bench_command](a.bench_args)
+    {"host": host.main, "serve": serve.main, "soak": soak.main}[a.bench_command](a.bench_args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -136,8 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "answers 503 and the engine logs its loop's stack")
     s.set_defaults(func=cmd_serve)
 
-    b = sub.add_parser("bench", help="benchmarks: `host` (executor host path) or `serve` (load generator)")
-    b.add_argument("bench_command", choices=["host", "serve"])
+    b = sub.add_parser("bench", help="benchmarks: `host` (executor host path), `serve` (load generator) "
+                                     "or `soak` (reliability under a mixed workload)")
+    b.add_argument("bench_command", choices=["host", "serve", "soak"])
     b.add_argument("bench_args", nargs=argparse.REMAINDER)
     b.set_defaults(func=cmd_bench)
     return parser

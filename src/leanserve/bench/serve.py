@@ -146,9 +146,13 @@ async def run_load(a, model: str, prompts, tokenizer) -> tuple[list[RequestResul
     return results, duration
 
 
+def percentile_ms(xs, q: float) -> float:
+    """The q-th percentile of durations in seconds, in milliseconds (nan without samples)."""
+    return float(np.percentile(xs, q) * 1e3) if len(xs) else float("nan")
+
+
 def summarize(results: list[RequestResult], duration: float) -> dict:
     ok = [r for r in results if r.ok]
-    ms = lambda xs, q: float(np.percentile(xs, q) * 1e3) if len(xs) else float("nan")  # noqa: E731
     mean = lambda xs: float(np.mean(xs) * 1e3) if len(xs) else float("nan")  # noqa: E731
     ttft = [r.ttft for r in ok]
     tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
@@ -163,7 +167,8 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
          "total_token_throughput": (in_tokens + out_tokens) / duration,
          "errors": sorted({r.error for r in results if not r.ok})[:5]}
     for name, xs in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2el", e2e)):
-        s[f"mean_{name}_ms"], s[f"median_{name}_ms"], s[f"p99_{name}_ms"] = mean(xs), ms(xs, 50), ms(xs, 99)
+        s[f"mean_{name}_ms"], s[f"median_{name}_ms"] = mean(xs), percentile_ms(xs, 50)
+        s[f"p99_{name}_ms"] = percentile_ms(xs, 99)
     s["output_speed_p25"] = float(np.percentile(speed, 25)) if speed else float("nan")
     s["output_speed_p50"] = float(np.percentile(speed, 50)) if speed else float("nan")
     return s
@@ -210,12 +215,17 @@ def engine_window(base_url: str, since: int | None) -> dict | None:
             "host_overhead_share": (host["mean"] - fwd["mean"]) / host["mean"] if host["mean"] else float("nan")}
 
 
-def leanserve_iterations(base_url: str) -> int | None:
+def read_stats(base_url: str) -> dict | None:
+    """leanserve's ``/stats`` (engine gauges and counters); None from a server without it."""
     try:
         r = httpx.get(base_url + "/stats", timeout=5)
-        return r.json().get("iterations_total") if r.status_code == 200 else None
+        return r.json() if r.status_code == 200 else None
     except (httpx.HTTPError, ValueError):
         return None
+
+
+def leanserve_iterations(base_url: str) -> int | None:
+    return (read_stats(base_url) or {}).get("iterations_total")
 
 
 def parse_args(argv=None):
