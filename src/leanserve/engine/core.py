@@ -35,7 +35,7 @@ from .params import SamplingParams
 from .messages import Abort, Add, StepOutput
 from .request import FinishReason, Request
 from .scheduler import ScheduledBatch, Scheduler
-from .stats import IterationStats
+from .stats import IterationStats, PhaseClock
 
 log = logging.getLogger("leanserve.engine")
 
@@ -158,34 +158,35 @@ class EngineCore:
     # ------------------------------------------------------------------ the loop body
     def step(self, emit: Callable[[StepOutput], None]) -> bool:
         """Runs one iteration and emits its output. Returns False when there was nothing to run."""
-        t0 = time.perf_counter()
+        clock = PhaseClock()
         aborted = self._fetch()
         if aborted:
             emit(self._finished_output(aborted, FinishReason.ABORT))
-        t1 = time.perf_counter()
+        fetch_ms = clock.lap()
         sched = self.scheduler.schedule()
-        t2 = time.perf_counter()
+        schedule_ms = clock.lap()
         if sched.empty:
             return bool(aborted)
-        forward_ms = sample_ms = 0.0
+        forward_ms = sample_ms = prepare_ms = 0.0
         try:
             inp = build_model_input(self.batch, sched, self.generators)
-            t3 = time.perf_counter()
+            prepare_ms = clock.lap()
             out = self.runner.execute(inp)
             forward_ms, sample_ms = out.forward_ms, out.sample_ms
-            t4 = time.perf_counter()
+            clock.lap()
             step_out = self._update(sched, inp, out)
         except Exception:  # noqa: BLE001 - one bad iteration must not kill the loop
             log.error("iteration failed; failing its requests:\n%s", traceback.format_exc())
-            t3 = t4 = time.perf_counter()
+            clock.lap()
             step_out = self._fail(sched, traceback.format_exc(limit=1).strip().splitlines()[-1])
         emit(step_out)
-        t5 = time.perf_counter()
-        self.stats.record((
-            (t5 - t0) * 1e3, forward_ms, (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3, sample_ms,
-            (t5 - t4) * 1e3, sched.num_prefill_tokens, len(sched.decode_slots), len(self.scheduler.running),
-            len(self.scheduler.waiting), self.kv.pool.num_used, len(sched.preempted),
-        ))
+        self.stats.record(
+            host_step_ms=clock.total_ms, forward_ms=forward_ms, fetch_ms=fetch_ms, schedule_ms=schedule_ms,
+            prepare_ms=prepare_ms, sample_ms=sample_ms, output_ms=clock.lap(),
+            num_context_tokens=sched.num_prefill_tokens, num_generation_requests=len(sched.decode_slots),
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_blocks_used=self.kv.pool.num_used, num_preemptions=len(sched.preempted),
+        )
         return True
 
     def _fetch(self) -> list[int]:

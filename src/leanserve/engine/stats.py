@@ -10,6 +10,7 @@ host waits for them, so there the GPU's forward time shows up in sample time.
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 
@@ -30,6 +31,24 @@ FIELDS = (
 )
 
 
+class PhaseClock:
+    """Milliseconds since the last lap, for an iteration's phases: ``lap()`` after each one."""
+
+    __slots__ = ("start", "_last")
+
+    def __init__(self):
+        self.start = self._last = time.perf_counter()
+
+    def lap(self) -> float:
+        now = time.perf_counter()
+        ms, self._last = (now - self._last) * 1e3, now
+        return ms
+
+    @property
+    def total_ms(self) -> float:
+        return (time.perf_counter() - self.start) * 1e3
+
+
 class IterationStats:
     """A ring buffer of the last ``capacity`` iterations; thread-safe reads."""
 
@@ -40,7 +59,14 @@ class IterationStats:
         self._lock = threading.Lock()
         self.index = {name: i for i, name in enumerate(FIELDS)}
 
-    def record(self, row) -> None:
+    def record(self, **values: float) -> None:
+        """One iteration, every field of FIELDS by name."""
+        if len(values) != len(FIELDS):
+            raise ValueError(f"stats: missing fields {sorted(set(FIELDS) - set(values))}")
+        self.append([values[name] for name in FIELDS])
+
+    def append(self, row) -> None:
+        """One iteration as a row in FIELDS order (rows copied from another process's buffer)."""
         with self._lock:
             self._data[self._count % self.capacity] = row
             self._count += 1

@@ -58,7 +58,7 @@ class ServerMetrics:
             self.queue.observe(q)
         rows = np.frombuffer(s.iterations, np.float64).reshape(-1, len(FIELDS))
         for row in rows:
-            self.iterations.record(row)
+            self.iterations.append(row)
         for host, fwd, ctx, gen in rows[:, [_HOST, _FORWARD, _CONTEXT, _GENERATION]].tolist():
             self.host_step.observe(host / 1e3)
             self.forward.observe(fwd / 1e3)
