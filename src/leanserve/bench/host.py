@@ -84,7 +84,7 @@ def phases(batch_sizes=(1, 16, 64, 256), iterations: int = 200) -> list[dict]:
 
 
 def enqueue_cost(lengths=(16, 256, 4096, 32768, 65536), repeats: int = 200) -> list[dict]:
-    core = _core(4, max_len=70_000, kv_cache_memory=8 << 20)
+    core = _core(4, max_len=70_000, kv_cache_memory=32 << 20)  # one 70k-token context must fit the pool
     params = SamplingParams(max_tokens=1)
     out = []
     for n in lengths:

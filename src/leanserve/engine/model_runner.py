@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..model.attention import AttentionMetadata, DecodeMaskTable
+from ..model.attention import AttentionMetadata, DecodeMaskTable, bucket
 from ..model.transformer import Transformer
 from .batch_state import BatchState
 from .kv_cache import KVCache
@@ -135,13 +135,33 @@ def _sampling_metadata(b: BatchState, slots: np.ndarray, generators) -> Sampling
     return meta
 
 
+def _padded(a: np.ndarray, n: int) -> np.ndarray:
+    """``a`` with zeros appended up to ``n`` entries (``a`` itself when it has them)."""
+    if len(a) >= n:
+        return a
+    out = np.zeros(n, a.dtype)
+    out[: len(a)] = a
+    return out
+
+
+def default_pad_shapes(model: Transformer, device: torch.device) -> bool:
+    """Whether steps should be padded to bucketed shapes: where the kernels are cached per
+    shape, i.e. bf16/fp16 on the CPU (oneDNN matmuls, brgemm SDPA); fp32 runs on MKL there,
+    which caches nothing per shape, so padding would only cost."""
+    return device.type == "cpu" and model.embed_tokens.weight.dtype in (torch.bfloat16, torch.float16)
+
+
 class ModelRunner:
-    def __init__(self, model: Transformer, kv_cache: KVCache, device="cpu", seed: int | None = None):
+    def __init__(self, model: Transformer, kv_cache: KVCache, device="cpu", seed: int | None = None,
+                 pad_shapes: bool | None = None):
         self.model = model
         self.kv = kv_cache
         self.device = torch.device(device)
         self.sampler = Sampler(self.device, seed)
-        self.decode_masks = DecodeMaskTable(self.device)
+        self.decode_masks = DecodeMaskTable(self.device, dtype=model.embed_tokens.weight.dtype)
+        # Bounded shapes (see model/attention.py): the step's token rows, the rows reaching the
+        # output head and each prefill chunk's query rows and key blocks are padded to buckets.
+        self.pad_shapes = default_pad_shapes(model, self.device) if pad_shapes is None else pad_shapes
 
     def _t(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a).to(self.device, non_blocking=True)
@@ -149,22 +169,46 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, inp: ModelInput) -> ModelOutput:
         num_decode = len(inp.decode_block_table)
+        bs = self.kv.block_size
+        pad = self.pad_shapes
+        prefills = inp.prefills
+        num_rows = inp.num_tokens
+        if pad:
+            # Context block ids padded with the null block (masked), and enough rows after each
+            # chunk for its bucketed query rows.
+            prefills = [(start, n, ctx, blocks if n == ctx else _padded(blocks, bucket(len(blocks))))
+                        for start, n, ctx, blocks in prefills]
+            for start, n, _, _ in prefills:
+                num_rows = max(num_rows, start + bucket(n, 16))
+            num_rows = bucket(num_rows)
         meta = AttentionMetadata.build(
             self._t(inp.slot_mapping),
             self._t(inp.decode_block_table) if num_decode else None,
-            self.decode_masks(self._t(inp.decode_seq_lens), inp.decode_block_table.shape[1] * self.kv.block_size)
-            if num_decode > 1 else None,
+            # With padding, a mask for a lone row too: its keys are then whole blocks, not a new
+            # length (and kernel) per token. Without, its keys are sliced to its context.
+            self.decode_masks(self._t(inp.decode_seq_lens), inp.decode_block_table.shape[1] * bs)
+            if num_decode > 1 or (num_decode and pad) else None,
             int(inp.decode_seq_lens.max()) if num_decode else 0,
-            [(start, n, ctx, self._t(blocks)) for start, n, ctx, blocks in inp.prefills],
+            [(start, n, ctx, self._t(blocks)) for start, n, ctx, blocks in prefills],
+            bs if pad else None,
         )
         rows = inp.logits_indices
         extra = [np.arange(r0, r0 + len(t)) for _, r0, t, _ in inp.prompt_logprob_rows]
         if extra:
             rows = np.concatenate([rows, *extra])
+        num_logits = len(rows)
         # All rows sample (a pure decode step): no gather of hidden states before the head.
-        rows_t = None if len(rows) == inp.num_tokens and not extra else self._t(rows)
+        if num_logits == inp.num_tokens and not extra:
+            rows_t = None
+        else:
+            rows_t = self._t(_padded(rows, bucket(num_logits)) if pad else rows)
+        input_ids, positions = inp.input_ids, inp.positions
+        if num_rows != inp.num_tokens:
+            input_ids, positions = _padded(input_ids, num_rows), _padded(positions, num_rows)
         t0 = time.perf_counter()
-        logits = self.model(self._t(inp.input_ids), self._t(inp.positions), self.kv.tensor, meta, rows_t)
+        logits = self.model(self._t(input_ids), self._t(positions), self.kv.tensor, meta, rows_t)
+        if len(logits) != num_logits:
+            logits = logits[:num_logits]
         t1 = time.perf_counter()
         n_sample = len(inp.logits_indices)
         prompt_lps = self._prompt_logprobs(logits[n_sample:], inp.prompt_logprob_rows) if extra else {}

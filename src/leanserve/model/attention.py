@@ -1,11 +1,23 @@
 """Attention over a paged KV cache for a flat batch that mixes decode tokens and prefill chunks.
 
 The batch is laid out decode tokens first (one per sequence), then prefill chunks back to back.
-Decode rows are attended in two batched matmuls over keys gathered block-wise from the cache;
+Decode rows are attended in one SDPA call over keys gathered block-wise from the cache;
 each prefill chunk is attended on its own (a step holds few of them: the token budget bounds it).
 
 Everything that depends only on the batch shape (masks, gathered block ids) is built once per
 step in :class:`AttentionMetadata` and shared by all layers.
+
+Shapes are kept to a bounded set where kernels are cached per shape. On the CPU, bf16/fp16
+matmuls run through oneDNN, which JITs and keeps a kernel per problem shape (~0.2-0.6 MB each,
+up to 1,024 in its primitive cache plus 1,024 in ideep's), and bf16/fp16 SDPA through brgemm
+micro-kernels kept in a cache with no bound, keyed by query and key block sizes. With shapes
+that follow the data (tokens per step, chunk and context lengths, one more key per decoded
+token) a mixed workload kept creating kernels, and the churn of the full LRU caches kept
+fragmenting the heap: the engine grew by 1.36 GB over 600 mixed requests here. So with
+padding on (``block_size`` given to :meth:`AttentionMetadata.build`; the model runner's
+``pad_shapes``), prefill chunks attend a bucketed number of query rows (see :func:`bucket`)
+and whole, bucketed key blocks; decode rows always attend whole blocks, in SDPA, whose
+kernels do not depend on the number of rows.
 """
 
 from __future__ import annotations
@@ -16,6 +28,15 @@ import torch
 import torch.nn.functional as F
 
 
+def bucket(n: int, multiple: int = 1) -> int:
+    """``n`` rounded up to one of a few sizes: multiples of ``multiple``, and at most 8 sizes
+    per octave above 8 * ``multiple`` (so at most 12.5 % more than ``n``): 1..15, 16, 18, ..,
+    30, 32, 36, .., 60, 64, 72, .. for ``multiple`` 1. Every distinct shape a step hands to the
+    backend costs a cached kernel, for good: this keeps their number logarithmic in the size."""
+    step = max(multiple, 1 << max(n.bit_length() - 4, 0))
+    return -(-n // step) * step
+
+
 @dataclass
 class PrefillChunk:
     """One sequence's chunk of new tokens in this step."""
@@ -24,7 +45,9 @@ class PrefillChunk:
     length: int  # tokens in the chunk
     context_len: int  # tokens in the cache after this step (prior context + chunk)
     block_ids: torch.Tensor | None  # blocks holding the context; None when the chunk is the whole context
-    mask: torch.Tensor | None  # [length, context_len] bool, None when plain causal over the chunk
+    mask: torch.Tensor | None  # [q_len, kv_len] bool, None when plain causal over the chunk
+    q_len: int = 0  # query rows attended (>= length: padded with the rows after the chunk)
+    kv_len: int = 0  # keys attended: context_len, or whole blocks (padded ones masked)
 
 
 @dataclass
@@ -32,9 +55,14 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] long: cache slot (block * block_size + offset) of each new token
     num_decode: int  # rows [0, num_decode) are decode tokens, one per sequence
     decode_block_ids: torch.Tensor | None  # [D, max_blocks] long
-    decode_mask: torch.Tensor | None  # [D, 1, 1, max_blocks * block_size] additive float32: 0 or -inf
-    decode_len: int  # longest decode context (the exact one when D == 1, which needs no mask)
+    decode_mask: torch.Tensor | None  # [D, 1, 1, max_blocks * block_size] additive float: 0 or -inf
+    decode_len: int  # longest decode context (the exact one when D == 1 and there is no mask)
     prefills: list[PrefillChunk]
+
+    @property
+    def num_tokens(self) -> int:
+        """Rows of the step that are tokens; the model's input may have padding rows after them."""
+        return self.slot_mapping.shape[0]
 
     @classmethod
     def build(
@@ -44,21 +72,30 @@ class AttentionMetadata:
         decode_mask: torch.Tensor | None,
         decode_len: int,
         prefills: list[tuple[int, int, int, torch.Tensor | None]],
+        block_size: int | None = None,
     ) -> "AttentionMetadata":
-        """``decode_mask`` is [D, width] additive float (see :class:`DecodeMaskTable`), None when
-        D <= 1; ``decode_len`` the longest decode context; ``prefills`` holds (start, length,
-        context_len, block_ids) per chunk."""
+        """``decode_mask`` is [D, width] additive float (see :class:`DecodeMaskTable`); without
+        one, a lone decode row attends exactly ``decode_len`` keys (a new shape per length);
+        ``decode_len`` the longest decode context; ``prefills`` holds (start, length,
+        context_len, block_ids) per chunk.
+
+        ``block_size`` set: shapes are bucketed. Each chunk attends ``bucket(length, 16)`` query
+        rows, the chunk's and those after it in the flat batch (the caller provides them; their
+        outputs are dropped), and a chunk with context attends every key of its ``block_ids``
+        (the caller may pad them with the null block), masked beyond its context."""
         device = slot_mapping.device
         num_decode = 0 if decode_block_ids is None else decode_block_ids.shape[0]
         chunks = []
         for start, length, context_len, block_ids in prefills:
+            q_len = length if block_size is None else bucket(length, 16)
             if context_len == length:
-                chunks.append(PrefillChunk(start, length, context_len, None, None))
+                chunks.append(PrefillChunk(start, length, context_len, None, None, q_len, q_len))
                 continue
-            q_pos = torch.arange(context_len - length, context_len, device=device)
-            mask = torch.arange(context_len, device=device)[None, :] <= q_pos[:, None]
-            chunks.append(PrefillChunk(start, length, context_len, block_ids, mask))
-        mask = decode_mask[:, None, None, :] if num_decode > 1 else None
+            kv_len = context_len if block_size is None else block_ids.shape[0] * block_size
+            q_pos = torch.arange(context_len - length, context_len - length + q_len, device=device)
+            mask = torch.arange(kv_len, device=device)[None, :] <= q_pos[:, None]
+            chunks.append(PrefillChunk(start, length, context_len, block_ids, mask, q_len, kv_len))
+        mask = decode_mask[:, None, None, :] if num_decode and decode_mask is not None else None
         return cls(slot_mapping, num_decode, decode_block_ids if num_decode else None, mask, decode_len, chunks)
 
 
@@ -67,14 +104,15 @@ class DecodeMaskTable:
 
     Row L of the table is 0 for key positions < L and -inf after, so a step's mask is one row
     gather (``index_select``) instead of building a [rows, width] tensor from scratch in three
-    full-size ops (~0.3 ms per step at 256 rows here). float32, since the softmax it is added
-    before runs in float32. The table grows by doubling, up to ``max_width`` columns; wider
-    steps build their mask directly.
+    full-size ops (~0.3 ms per step at 256 rows here). In the model's dtype, which SDPA wants
+    on some backends (0 and -inf are exact in any float dtype; its softmax runs in float32).
+    The table grows by doubling, up to ``max_width`` columns; wider steps build their mask
+    directly.
     """
 
-    def __init__(self, device, max_width: int = 2048):
-        self.device, self.max_width = device, max_width
-        self.table = torch.empty(0, 0, device=device)
+    def __init__(self, device, max_width: int = 2048, dtype: torch.dtype = torch.float32):
+        self.device, self.max_width, self.dtype = device, max_width, dtype
+        self.table = torch.empty(0, 0, device=device, dtype=dtype)
 
     def __call__(self, seq_lens: torch.Tensor, width: int) -> torch.Tensor:
         if width > self.max_width:
@@ -86,7 +124,7 @@ class DecodeMaskTable:
 
     def _build(self, seq_lens: torch.Tensor, width: int) -> torch.Tensor:
         beyond = torch.arange(width, device=self.device)[None, :] >= seq_lens[:, None]
-        return torch.zeros(beyond.shape, device=self.device).masked_fill_(beyond, float("-inf"))
+        return torch.zeros(beyond.shape, device=self.device, dtype=self.dtype).masked_fill_(beyond, float("-inf"))
 
 
 def paged_attention(
@@ -98,14 +136,20 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """Writes this step's k/v into the cache, then attends every row to its context. Returns [T, H*D]."""
+    """Writes this step's k/v into the cache, then attends every row to its context. Returns [T, H*D].
+
+    Rows past ``meta.num_tokens`` are padding: not written to the cache, zero in the output."""
     num_blocks, block_size, kv_heads, head_dim = k_cache.shape
-    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    n = meta.num_tokens
+    padded = q.shape[0] != n
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k[:n] if padded else k)
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v[:n] if padded else v)
     d = meta.num_decode
-    if not meta.prefills:  # a pure decode step: no output to assemble from parts
+    if not meta.prefills and not padded:  # a pure decode step: no output to assemble from parts
         return _decode_attention(q, k_cache, v_cache, meta, scale).flatten(1)
     out = torch.empty_like(q)
+    if padded:
+        out[n:] = 0
     gqa = q.shape[1] != kv_heads
     if d:
         out[:d] = _decode_attention(q[:d], k_cache, v_cache, meta, scale)
@@ -113,16 +157,18 @@ def paged_attention(
     for c in meta.prefills:
         # 4-D [1, heads, len, Dh]: given 3-D tensors, CPU SDPA leaves its flash kernel for the math
         # path, ~6x slower at 2,048 tokens (270 vs 45 ms per layer here).
-        rows = slice(c.start, c.start + c.length)
+        rows = slice(c.start, c.start + (c.q_len or c.length))
         qc = q[rows].transpose(0, 1)[None]
         if c.block_ids is None:
+            # Causal: the chunk's rows never see the padding rows after them.
             kc, vc = k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None]
             o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
-            kc = _gather(k_cache, c.block_ids[None])[:, : c.context_len].transpose(1, 2)
-            vc = _gather(v_cache, c.block_ids[None])[:, : c.context_len].transpose(1, 2)
+            kv_len = c.kv_len or c.context_len
+            kc = _gather(k_cache, c.block_ids[None])[:, :kv_len].transpose(1, 2)
+            vc = _gather(v_cache, c.block_ids[None])[:, :kv_len].transpose(1, 2)
             o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=c.mask, scale=scale, enable_gqa=gqa)
-        out[rows] = o[0].transpose(0, 1)
+        out[c.start : c.start + c.length] = o[0, :, : c.length].transpose(0, 1)
     return out.flatten(1)
 
 
@@ -130,11 +176,15 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       scale: float) -> torch.Tensor:
     """One query per sequence against its gathered context: [D, H, Dh] -> [D, H, Dh].
 
-    Written as two batched matmuls with the G query heads that share a KV head folded into G
-    query rows ([D, KVH, G, Dh] x [D, KVH, Dh, L]), so each KV head's keys are read once and
-    nothing is repeated per query head. On CPU, SDPA with ``enable_gqa`` took ~10x longer in
-    bf16 (11.6 vs 1.2 ms per layer at 64 rows x 256 tokens) and ~10% longer in fp32. Softmax
-    runs in float32 whatever the cache dtype.
+    The G query heads that share a KV head are folded into G query rows, so SDPA sees
+    [D, KVH, G, Dh] queries against [D, KVH, L, Dh] keys: each KV head's keys are read once,
+    nothing is repeated per query head, softmax runs in float32 whatever the cache dtype. On
+    the CPU this runs SDPA's flash kernel, whose micro-kernels depend only on block sizes (L is
+    whole blocks), not on D: two batched matmuls instead made oneDNN build and cache two
+    kernels per (D, L), ~1.1 MB per pair in bf16, a new pair for every token of a lone
+    sequence. It is also faster here (one thread, per layer, 64 rows x 1,024 tokens: 10 vs
+    23 ms in bf16, 13 vs 76 ms in fp32). (SDPA with the H heads as heads and ``enable_gqa``
+    took ~10x longer in bf16.)
     """
     d, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
@@ -143,14 +193,10 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     keys = _gather(k_cache, meta.decode_block_ids).transpose(1, 2)
     values = _gather(v_cache, meta.decode_block_ids).transpose(1, 2)
     qg = q.view(d, kv_heads, num_heads // kv_heads, head_dim)
-    if d == 1:
-        # A lone sequence needs no mask: its keys are sliced to its context instead.
+    if meta.decode_mask is None:  # a lone sequence without a mask: keys sliced to its context
         keys, values = keys[:, :, : meta.decode_len], values[:, :, : meta.decode_len]
-    scores = torch.matmul(qg, keys.transpose(2, 3)).float().mul_(scale)
-    if meta.decode_mask is not None:
-        scores.add_(meta.decode_mask)
-    probs = torch.softmax(scores, dim=-1).to(values.dtype)
-    return torch.matmul(probs, values).view(d, num_heads, head_dim)
+    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=meta.decode_mask, scale=scale)
+    return out.reshape(d, num_heads, head_dim)
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
