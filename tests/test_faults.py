@@ -325,7 +325,7 @@ def test_a_dead_output_reader_fails_everything_at_once(tiny_chat_model):
             if ev.error:
                 break
         assert "engine output reader failed" in ev.error
-        assert client.failure and not client.healthy and client.num_pending == 0
+        assert client.failure and client.unavailable == client.failure and client.num_pending == 0
         await client.shutdown()
 
     asyncio.run(main())

@@ -37,6 +37,7 @@ from .request import FinishReason
 
 log = logging.getLogger("leanserve.server")
 
+SHUTTING_DOWN = "the server is shutting down"
 WATCHDOG_PERIOD_S = 0.5  # how often the process and progress checks run
 # Silence shorter than this is normal: snapshots leave every 0.5-1 s (the output thread checks the
 # clock when its queue wait times out), so a heartbeat counts as missed only well after that.
@@ -72,8 +73,9 @@ class AsyncEngineClient:
         self._encoder = msgspec.msgpack.Encoder()
 
     @property
-    def healthy(self) -> bool:
-        return self.failure is None and self.stalled is None
+    def unavailable(self) -> str | None:
+        """Why /health should answer 503 now (None: healthy)."""
+        return self.failure or self.stalled or (SHUTTING_DOWN if self.draining else None)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self, timeout: float = 600.0) -> None:
@@ -151,7 +153,7 @@ class AsyncEngineClient:
         if self.failure is not None:
             raise EngineDeadError(self.failure)
         if self.draining:
-            raise EngineDeadError("the server is shutting down")
+            raise EngineDeadError(SHUTTING_DOWN)
         if len(self._queues) + n > self.max_pending:
             raise EngineOverloaded(f"server overloaded: more than {self.max_pending} sequences in flight; retry later")
 

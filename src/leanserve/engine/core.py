@@ -280,8 +280,9 @@ class EngineCore:
         )
 
     def _forget(self, req: Request) -> None:
-        """The core's own records of a request, dropped once the scheduler has finished it."""
-        del self.requests[req.request_id]
+        """The core's own records of a request, dropped once the scheduler has finished it.
+        Tolerant: a failing iteration (``_fail``) may reach requests ``_update`` already dropped."""
+        self.requests.pop(req.request_id, None)
         self.generators.pop(req.request_id, None)
 
     def _fail(self, sched: ScheduledBatch, error: str) -> StepOutput:

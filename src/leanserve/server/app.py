@@ -123,12 +123,8 @@ def build_app(cfg: ServerConfig) -> FastAPI:
 
     @app.get("/health")
     async def health(request: Request):
-        engine = state(request).engine
-        if engine.failure or engine.stalled:
-            return error_response(503, engine.failure or engine.stalled)
-        if engine.draining:
-            return error_response(503, "the server is shutting down")
-        return Response(status_code=200)
+        why = state(request).engine.unavailable
+        return error_response(503, why) if why else Response(status_code=200)
 
     @app.get("/version")
     async def version():

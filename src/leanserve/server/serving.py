@@ -30,7 +30,8 @@ from ..engine.output_processor import CompletionOutput, EngineRequestError, Requ
 from ..engine.params import SamplingParams
 from ..tokenizer import Tokenizer
 from .metrics import ServerMetrics
-from .protocol import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest, bad_request_from
+from .protocol import (APIError, ChatCompletionRequest, ChatMessage, CompletionRequest, bad_request_from,
+                       error_body, error_type)
 
 log = logging.getLogger("leanserve.server")
 
@@ -213,8 +214,7 @@ def _sse(obj) -> bytes:
 
 def _error_event(e: Exception) -> bytes:
     status = e.status if isinstance(e, APIError) else 500
-    return _sse({"error": {"message": str(e), "type": "server_error" if status >= 500 else "invalid_request_error",
-                           "param": None, "code": status}})
+    return _sse(error_body(str(e), error_type(status), None, status))
 
 
 async def _stream(deltas: AsyncIterator[SampleDelta], chunk, final_chunk=None):
