@@ -11,6 +11,7 @@ import torch
 
 from leanserve import LLM, SamplingParams
 from leanserve.engine.request import FinishReason
+from leanserve.engine.stats import FIELDS
 from leanserve.model import load_model
 
 from .test_model import dense_logits
@@ -87,9 +88,9 @@ def test_prefix_cache_computes_only_the_rest(tiny):
         expected = alone(ref_llm, [b], GREEDY)[0]
     with make_llm(tiny) as llm:
         llm.generate([a], GREEDY)
-        before = llm.engine.prompt_tokens_total
+        before = llm.engine.scheduler.prompt_tokens_total
         out = llm.generate([b], GREEDY)[0]
-        computed = llm.engine.prompt_tokens_total - before
+        computed = llm.engine.scheduler.prompt_tokens_total - before
     assert out.num_cached_tokens == 160  # ten full 16-token blocks
     assert computed == len(b) - 160
     assert out.outputs[0].token_ids == expected
@@ -244,28 +245,55 @@ def test_n_samples_share_prompt_blocks(tiny):
 
 
 def test_penalties_and_top_k_run(tiny):
+    # The penalty arithmetic is checked exactly in test_sampler.py; here, that the engine hands
+    # each row its own prompt and output tokens. The tiny model never repeats itself unprompted,
+    # so the penalties here are negative: they reward repeats, and change what it says.
+    # Presence and frequency penalties shift logits, hence logprobs, by the same amount: each
+    # token of a penalised greedy run is the argmax of (its step's raw top logprobs + the reward
+    # of the tokens output before it).
     prompt = prompts_of([10], seed=12)[0]
+    pres, freq = -2.0, -2.0
     with make_llm(tiny) as llm:
-        rep = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=16, repetition_penalty=5.0,
+        rep = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=16, repetition_penalty=0.1,
                                                     ignore_eos=True))[0].outputs[0].token_ids
-        freq = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=16, frequency_penalty=2.0,
-                                                     presence_penalty=2.0, ignore_eos=True))[0].outputs[0].token_ids
+        penalised = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=16, frequency_penalty=freq,
+                                                          presence_penalty=pres, logprobs=20,
+                                                          ignore_eos=True))[0].outputs[0]
         topk = llm.generate([prompt], SamplingParams(temperature=0.7, top_k=1, max_tokens=16, min_p=0.1,
                                                      ignore_eos=True))[0].outputs[0].token_ids
         greedy = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=16,
                                                        ignore_eos=True))[0].outputs[0].token_ids
     assert topk == greedy  # top_k=1 is greedy
-    assert len(set(rep)) >= len(set(greedy)) and len(set(freq)) >= len(set(greedy))
+    assert len(set(greedy)) == len(greedy) and not set(greedy) & set(prompt.tolist())
+    # Repetition (over prompt and output): the rewarded run repeats tokens seen before.
+    assert rep != greedy
+    assert any(t in prompt.tolist() or t in rep[:i] for i, t in enumerate(rep))
+    tokens = penalised.token_ids
+    assert tokens != greedy and len(set(tokens)) < len(tokens)
+    for i, step in enumerate(penalised.logprobs):
+        raw = dict(step["top"]) | {step["token_id"]: step["logprob"]}
+        before = tokens[:i]
+        score = {t: lp - freq * before.count(t) - pres * (t in before) for t, lp in raw.items()}
+        assert tokens[i] == max(score, key=score.get), i
 
 
 def test_iteration_stats_are_recorded(tiny):
     with make_llm(tiny) as llm:
         llm.generate(prompts_of([10, 20, 30]), GREEDY)
         s = llm.engine.stats.summary()
-    assert s["iterations"]["count"] >= 24
-    for name in ("host_step_ms", "forward_ms", "schedule_ms", "prepare_ms", "sample_ms", "output_ms"):
-        assert 0 <= s[name]["p50"] <= s[name]["p95"] <= s[name]["p99"]
-    assert s["host_step_ms"]["p50"] >= s["forward_ms"]["p50"]
+        rows = llm.engine.stats.window()
+    col = {name: rows[:, i] for i, name in enumerate(FIELDS)}
+    assert s["iterations"]["count"] == len(rows) >= 24
+    # Every prompt token is computed once; each request decodes 23 rows after its prefill gave
+    # it its first token (however the three arrivals split over iterations).
+    assert col["num_context_tokens"].sum() == 60
+    assert col["num_generation_requests"].sum() == 3 * (GREEDY.max_tokens - 1)
+    assert (col["forward_ms"] > 0).all()
+    phases = sum(col[n] for n in ("fetch_ms", "schedule_ms", "prepare_ms", "forward_ms", "sample_ms", "output_ms"))
+    assert (phases <= col["host_step_ms"] + 1e-6).all()  # the phases are disjoint parts of the step
+    assert col["num_running"][-1] == 0 and col["num_waiting"][-1] == 0 and col["kv_blocks_used"][-1] == 0
+    for name in ("host_step_ms", "forward_ms"):
+        assert s[name]["p50"] == pytest.approx(float(np.percentile(col[name], 50)))
 
 
 def test_stream_yields_the_same_text_as_generate(tiny):

@@ -67,7 +67,7 @@ def drive(core: EngineCore, requests: int, seed: int = 0) -> int:
             core.add_request(submitted * 10, prompt, params)
             submitted += 1
         before = core.stats.count
-        core.step(lambda _: None)
+        core.step()
         if core.stats.count > before:
             rows = core.stats.window(1)[0]
             step_sizes.add(int(rows[7] + rows[8]))  # context tokens + decode rows
@@ -131,7 +131,9 @@ def test_padding_leaves_outputs_unchanged(tiny):
                                                             n=2 if i == 3 else 1,
                                                             prompt_logprobs=0 if i == 5 else None))
         while core.has_work:
-            core.step(emit)
+            out = core.step()
+            if out is not None:
+                emit(out)
         return tokens, {k: np.concatenate(v) for k, v in plps.items()}
 
     plain, plain_lp = run(False)

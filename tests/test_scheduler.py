@@ -3,7 +3,7 @@
 In the style of vLLM's tests/v1/core/test_scheduler.py: small helpers build requests and a
 Scheduler over a BatchState and a BlockPool with a small, exact block budget; ``step`` runs one
 iteration of the engine with the model replaced by a fixed sampled token (``run_step`` does the
-engine's post-forward bookkeeping, as EngineCore._update does). Each test states one scheduling
+scheduler's post-forward bookkeeping, ``update_from_output``, as the engine does). Each test states one scheduling
 rule and checks exact numbers: who gets how many tokens, which blocks, in which order.
 
 Block size is 4 throughout, so "prompt 10" means two full blocks and a partial one.
@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from leanserve.engine.batch_state import BatchState
 from leanserve.engine.kv_cache import BlockPool
 from leanserve.engine.params import SamplingParams
-from leanserve.engine.request import Request, Status
+from leanserve.engine.request import FinishReason, Request, Status
 from leanserve.engine.scheduler import ScheduledBatch, Scheduler
 
 BS = 4  # tokens per KV block
@@ -48,35 +48,10 @@ def make_request(rid: int, prompt_len: int | None = None, *, prompt=None, max_to
 
 
 def run_step(sched: Scheduler, out: ScheduledBatch, token: int = TOKEN) -> list[Request]:
-    """What the engine does after the forward of ``out``, with ``token`` as every sampled id.
-
-    Mirrors EngineCore._update (core.py) step for step, minus its metrics and StepOutput; the
-    rows that sample are picked as build_model_input (model_runner.py) picks them. Returns the
-    requests that finished.
-    """
-    b, bs = sched.batch, sched.block_size
-    d = out.decode_slots
-    # build_model_input: every decode row samples, and each prefill chunk that reaches the
-    # request's known tokens (judged before anything below changes them).
-    ss = np.concatenate((d, [r.slot for r, start, n in out.prefills if start + n == b.num_tokens[r.slot]]))
-    ss = ss.astype(np.int64)
-    # 1. computed counters and newly full blocks (registered in the prefix cache)
-    if len(d):
-        b.num_computed[d] += 1
-        for s in d[b.num_computed[d] % bs == 0]:
-            sched.register_full_blocks(b.requests[s], int(b.num_computed[s]) - 1, int(b.num_computed[s]))
-    for req, start, n in out.prefills:
-        b.num_computed[req.slot] = start + n
-        sched.register_full_blocks(req, start, start + n)
-    # 2. sampled tokens
-    tokens = np.full(len(ss), token, np.int32)
-    n_out = b.num_tokens[ss] - b.num_prompt[ss]
-    b.out_tokens[ss, n_out] = tokens
-    b.num_tokens[ss] += 1
-    b.last_token[ss] = tokens
-    # 3. stop checks (length, or a stop id: none here unless a test sets one)
-    done = (b.num_tokens[ss] >= b.stop_len[ss]) | (b.stop_ids[ss] == tokens[:, None]).any(axis=1)
-    return sched.finish_slots(ss[done]) if done.any() else []
+    """What the engine does after the forward of ``out``, with ``token`` as every sampled id:
+    ``update_from_output``. Returns the requests that finished."""
+    tokens = np.full(len(out.sample_slots), token, np.int32)
+    return sched.update_from_output(out, tokens).finished
 
 
 class Plan(NamedTuple):
@@ -93,7 +68,7 @@ def step(sched: Scheduler, token: int = TOKEN) -> Plan:
     """One engine iteration: schedule, then the post-forward bookkeeping."""
     out = sched.schedule()
     decode = [sched.batch.requests[s].request_id for s in out.decode_slots]  # read before finishes clear slots
-    prefill = [(r.request_id, start, n) for r, start, n in out.prefills]
+    prefill = [(c.request.request_id, c.start, c.length) for c in out.prefills]
     finished = run_step(sched, out, token)
     return Plan(decode, prefill, [r.request_id for r in out.preempted], [r.request_id for r in finished])
 
@@ -169,6 +144,66 @@ def test_one_remaining_prompt_token_is_scheduled_as_a_decode_row():
     assert sched.batch.output_tokens(req.slot).tolist() == [55]
 
 
+# ------------------------------------------------------------------------- update_from_output
+def test_only_chunks_that_reach_the_last_known_token_sample():
+    sched = make_scheduler(free_blocks=20, budget=8)
+    a, b = make_request(1, 3), make_request(2, 10)
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    assert [(c.request.request_id, c.length, c.samples) for c in out.prefills] == [(1, 3, True), (2, 5, False)]
+    assert out.sample_slots.tolist() == [a.slot]
+    result = sched.update_from_output(out, np.array([42], np.int32))
+    assert result.request_ids.tolist() == [1] and result.token_ids.tolist() == [42]
+    assert result.finish_reasons.tolist() == [0] and not result.finished
+    # Decode rows first, then sampling chunks, as the model input lays out its rows.
+    out = sched.schedule()
+    assert out.decode_slots.tolist() == [a.slot] and out.sample_slots.tolist() == [a.slot, b.slot]
+
+
+def test_update_finishes_on_length_and_on_a_stop_id_and_frees_at_once():
+    sched = make_scheduler(free_blocks=20, budget=16)
+    by_length = make_request(1, 3, max_tokens=1)
+    by_stop = Request(2, np.arange(200, 203, dtype=np.int32), SamplingParams(max_tokens=8, stop_token_ids=[9]))
+    running_on = make_request(3, 3)
+    for r in (by_length, by_stop, running_on):
+        sched.add(r)
+    out = sched.schedule()
+    result = sched.update_from_output(out, np.array([5, 9, 9], np.int32))
+    assert result.finish_reasons.tolist() == [FinishReason.LENGTH, FinishReason.STOP, 0]
+    assert ids(result.finished) == [1, 2] and ids(sched.running) == [3]
+    assert by_length.slot == -1 and by_length.block_ids == [] and by_stop.status == Status.FINISHED
+    assert sched.pool.num_free == 20 - 1
+
+
+def test_counters_count_a_prompt_once_at_first_admission_and_every_sampled_token():
+    sched = make_scheduler(free_blocks=20, budget=4)
+    req = make_request(1, 5, max_tokens=3)
+    sched.add(req)
+    assert step(sched) == Plan(prefill=[(1, 0, 4)])
+    assert (sched.prompt_tokens_total, sched.generation_tokens_total) == (5, 0)
+    # The prompt's fifth token is computed by a decode row, which samples the first token.
+    assert step(sched) == Plan(decode=[1])
+    assert (sched.prompt_tokens_total, sched.generation_tokens_total) == (5, 1)
+    step(sched)
+    assert step(sched) == Plan(decode=[1], finished=[1])
+    assert (sched.prompt_tokens_total, sched.generation_tokens_total) == (5, 3)
+    assert len(sched.queue_times) == 1
+
+
+def test_the_scheduled_decode_slots_are_the_callers_to_keep():
+    # The scheduler caches its running slots between steps; what it hands out must not alias it.
+    sched = make_scheduler(free_blocks=20, budget=8)
+    for rid in (1, 2):
+        sched.add(make_request(rid, 2))
+    step(sched)
+    out = sched.schedule()
+    running = sched._slots().tolist()
+    assert out.decode_slots.tolist() == running
+    out.decode_slots[:] = 99
+    assert sched._slots().tolist() == running
+
+
 # ------------------------------------------------------------------------------------ preemption
 def preemption_scenario(prefix_caching: bool) -> tuple[Scheduler, dict[int, Request], Plan]:
     """7 blocks, three requests filling 6 of them (blocks 1-2, 3-4, 5-6), then a step in which the
@@ -227,6 +262,7 @@ def test_preempted_request_resumes_from_its_cached_full_blocks():
     # first admissions only.
     assert r[3].num_cached_tokens == 0
     assert (sched.prefix_queries, sched.prefix_hits) == (8 + 8 + 5 + 3, 0)
+    assert sched.prompt_tokens_total == 8 + 8 + 5 + 3 and len(sched.queue_times) == 4
 
 
 def test_a_request_preempts_itself_when_it_is_the_newest():
@@ -448,22 +484,14 @@ def test_abort_of_a_running_request_frees_exactly_its_blocks_and_slot():
     assert len(sched.batch._free_slots) == sched.batch.capacity
 
 
-# -------------------------------------------------------------- fast path == general walk (property)
+# ------------------------------------------------------- steady state == general walk (property)
 def schedule_by_walk(sched: Scheduler) -> ScheduledBatch:
     """Scheduler.schedule with its running requests always planned by the general walk
-    (_schedule_running_with_preemption), which the real schedule() only uses when blocks run
-    short. The lines after the walk copy schedule()'s own tail (decode/prefill split, admission)."""
-    b = sched.batch
+    (_plan_with_preemption), which the real schedule() only uses when blocks run short, then
+    schedule()'s own tail."""
     budget = sched.max_num_batched_tokens
-    n, preempted = sched._schedule_running_with_preemption(budget)
-    slots = sched._slots()
-    remaining = b.num_tokens[slots] - b.num_computed[slots]
-    is_decode = (n == 1) & (remaining == 1)
-    prefills = [(b.requests[s], int(b.num_computed[s]), int(k))
-                for s, k in zip(slots[~is_decode & (n > 0)], n[~is_decode & (n > 0)])]
-    if not preempted:
-        prefills += sched._admit(budget - int(n.sum()))
-    return ScheduledBatch(slots[is_decode], prefills, preempted)
+    granted, preempted = sched._plan_with_preemption(budget)
+    return sched._schedule_from_plan(sched._slots(), granted, budget, preempted)
 
 
 def describe(sched: Scheduler, out: ScheduledBatch) -> tuple:
@@ -471,7 +499,8 @@ def describe(sched: Scheduler, out: ScheduledBatch) -> tuple:
     b, pool = sched.batch, sched.pool
     return (
         [b.requests[s].request_id for s in out.decode_slots],
-        [(r.request_id, start, n) for r, start, n in out.prefills],
+        [(c.request.request_id, c.start, c.length, c.samples) for c in out.prefills],
+        out.sample_slots.tolist(),
         ids(out.preempted), ids(sched.running), ids(sched.waiting),
         [(r.slot, r.block_ids, b.block_table[r.slot, : b.num_blocks[r.slot]].tolist()) for r in sched.running],
         free_list(pool), [blk.ref_count for blk in pool.blocks], {k: blk.block_id for k, blk in pool.cached.items()},
@@ -488,21 +517,20 @@ def path_taken(sched: Scheduler) -> str:
     if len(slots) <= sched.max_num_batched_tokens and (remaining == 1).all():
         grow = (b.num_blocks[slots] * sched.block_size == b.num_computed[slots]).sum()
         if grow <= sched.pool.num_free:
-            return "fast"
+            return "steady state"
     return "vectorised"
 
 
-def test_fast_path_schedules_exactly_as_the_general_walk_when_nothing_is_preempted():
-    # Scheduler.schedule plans the running batch three ways: the steady-state fast path (all
-    # decodes, blocks suffice), a vectorised plan, and the walk that can preempt. The first two are
+def test_shortcut_plans_schedule_exactly_as_the_general_walk_when_nothing_is_preempted():
+    # Scheduler.schedule plans the running batch three ways: the steady state (all decodes,
+    # blocks suffice), a vectorised plan, and the walk that can preempt. The first two are
     # optimisations of the walk: whenever the walk preempts nothing they must give the same
     # schedule and leave the same state (block ids, free-list order, ref counts, prefix cache,
     # slots). Each engine state is scheduled twice: by the real schedule(), and by the walk on a
     # deep copy (copy.deepcopy of the scheduler takes its batch, pool and requests with it), so
     # both start from the same state and neither disturbs the other. States that preempt are
-    # compared too: there schedule() runs the walk itself, which checks schedule_by_walk's copy
-    # of schedule()'s tail.
-    seen = {"fast": 0, "vectorised": 0, "preempting": 0, "admission only": 0}
+    # compared too: there schedule() runs the walk itself.
+    seen = {"steady state": 0, "vectorised": 0, "preempting": 0, "admission only": 0}
 
     @settings(max_examples=150, derandomize=True, deadline=None, database=None,
               suppress_health_check=[HealthCheck.too_slow])
@@ -545,4 +573,4 @@ def test_fast_path_schedules_exactly_as_the_general_walk_when_nothing_is_preempt
 
     check()
     # The comparison is only as good as the states it saw: each path must have come up often.
-    assert seen["fast"] >= 200 and seen["vectorised"] >= 100 and seen["preempting"] >= 20, seen
+    assert seen["steady state"] >= 200 and seen["vectorised"] >= 100 and seen["preempting"] >= 20, seen

@@ -30,11 +30,11 @@ import torch
 from ..engine.config import EngineConfig
 from ..engine.core import EngineCore
 from ..engine.params import SamplingParams
-from ..engine.stats import FIELDS
+from ..engine.stats import FIELDS, PHASES
 from ..model.config import ModelConfig
 from ..model.transformer import Transformer
 
-PHASES = ("fetch_ms", "schedule_ms", "prepare_ms", "forward_ms", "sample_ms", "output_ms", "host_step_ms")
+COLUMNS = (*PHASES, "host_step_ms")
 
 
 def tiny_model(max_len: int = 40_000, seed: int = 0) -> Transformer:
@@ -54,10 +54,6 @@ def _core(batch: int, max_len: int = 2048, **kw) -> EngineCore:
     return EngineCore(cfg, model=tiny_model(max_len))
 
 
-def _noop(_):
-    pass
-
-
 def phases(batch_sizes=(1, 16, 64, 256), iterations: int = 200) -> list[dict]:
     rows = []
     for b in batch_sizes:
@@ -67,14 +63,14 @@ def phases(batch_sizes=(1, 16, 64, 256), iterations: int = 200) -> list[dict]:
         for i in range(b):
             core.add_request(i, rng.integers(1, 512, 16).astype(np.int32), params)
         while core.stats.count < 10 or core.scheduler.waiting:  # prefill and warm-up
-            core.step(_noop)
+            core.step()
         start = core.stats.count
         for _ in range(iterations):
-            core.step(_noop)
+            core.step()
         data = core.stats.since(start)
         data = data[data[:, FIELDS.index("num_generation_requests")] == b]
         row = {"batch": b, "iterations": len(data)}
-        for name in PHASES:
+        for name in COLUMNS:
             col = data[:, FIELDS.index(name)] * 1e3
             row[name] = (float(col.mean()), float(np.percentile(col, 99)))
         overhead = (data[:, FIELDS.index("host_step_ms")] - data[:, FIELDS.index("forward_ms")]) * 1e3
@@ -119,7 +115,7 @@ def burst(copy_bug: bool = False, decoders: int = 64, newcomers: int = 160, prom
     prompts = [rng.integers(1, 512, prompt_len).astype(np.int32) for _ in range(newcomers)]
     long_params = SamplingParams(temperature=0.0, max_tokens=4)
     while core.scheduler.waiting or core.stats.count < 5:
-        core.step(_noop)
+        core.step()
     gc.collect()
     gc.freeze()  # as the engine process does after start-up
 
@@ -131,16 +127,16 @@ def burst(copy_bug: bool = False, decoders: int = 64, newcomers: int = 160, prom
 
     marks = {"before": core.stats.count}
     for _ in range(window):
-        core.step(_noop)
+        core.step()
     marks["during"] = core.stats.count
     t = threading.Thread(target=enqueue_all)
     t.start()
     while t.is_alive() or core.stats.count - marks["during"] < window:
-        core.step(_noop)
+        core.step()
     t.join()
     marks["after"] = core.stats.count
     for _ in range(window):
-        core.step(_noop)
+        core.step()
     marks["end"] = core.stats.count
     gc.unfreeze()
     rows = core.stats.window()
@@ -159,10 +155,10 @@ def burst(copy_bug: bool = False, decoders: int = 64, newcomers: int = 160, prom
 
 
 def _fmt_phases(rows) -> str:
-    head = "batch " + "".join(f"{p[:-3]:>16}" for p in PHASES) + f"{'overhead':>16}"
+    head = "batch " + "".join(f"{p[:-3]:>16}" for p in COLUMNS) + f"{'overhead':>16}"
     lines = ["Decode iteration phases, microseconds: mean / p99", head]
     for r in rows:
-        cells = "".join(f"{r[p][0]:>8.0f} /{r[p][1]:>6.0f}" for p in PHASES)
+        cells = "".join(f"{r[p][0]:>8.0f} /{r[p][1]:>6.0f}" for p in COLUMNS)
         lines.append(f"{r['batch']:>5} {cells}{r['overhead_us'][0]:>8.0f} /{r['overhead_us'][1]:>6.0f}")
     return "\n".join(lines)
 

@@ -1,10 +1,30 @@
 """The persistent batch: per-slot numpy arrays for every running request.
 
-A running request owns a slot from admission to finish. Everything the loop touches each
-iteration (token counts, block tables, last token, sampling settings, stop conditions) lives
-here as arrays indexed by slot, so scheduling, input preparation, stop checks and output are
-vectorised over the batch instead of looping over Python objects. Per-request fields are
-written once at admission; an iteration only applies diffs (a new block, a new token).
+A running request owns a slot from admission to finish (or preemption). Everything the loop
+touches each iteration (token counts, block tables, last token, sampling settings, stop
+conditions) lives here as arrays indexed by slot, so scheduling, input preparation, stop checks
+and output are vectorised over the batch instead of looping over Python objects. Per-request
+fields are written once at admission; an iteration only applies diffs (a new block, a new token).
+
+Where each piece of a request's state lives (one home at any time; moved, never mirrored):
+
+=====================  ==========================  =======================================
+state                  WAITING (new or preempted)  RUNNING
+=====================  ==========================  =======================================
+prompt token ids       ``Request.prompt``          ``Request.prompt`` (never copied)
+output token ids       ``Request.saved_output``    ``out_tokens[slot]``, moved in at
+                       (None if never ran)         admission, out again at preemption
+tokens computed (KV)   none (recomputed)           ``num_computed[slot]``
+KV block ids           none (freed)                ``block_table[slot, :num_blocks[slot]]``
+full-block hash keys   ``Request.block_keys``      ``Request.block_keys``
+random generator       ``Request.generator``       ``Request.generator`` (read via
+                                                   ``requests[slot]`` when sampling)
+sampling, stop rules   ``Request.params``          per-slot arrays, written at admission
+=====================  ==========================  =======================================
+
+``Request.num_computed_tokens`` and ``Request.block_ids`` read the RUNNING column through the
+request's slot. Only the scheduler changes this state: at admission, preemption and finish,
+and after each step in ``Scheduler.update_from_output``.
 """
 
 from __future__ import annotations
@@ -14,12 +34,17 @@ import numpy as np
 from .request import Request
 
 
+def blocks_needed(num_tokens, block_size: int):
+    """KV blocks that hold ``num_tokens`` tokens (ceil division; ints or numpy arrays)."""
+    return -(-num_tokens // block_size)
+
+
 class BatchState:
     def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int, eos_token_ids=()):
         s = max_num_seqs
         self.capacity = s
         self.block_size = block_size
-        self.max_blocks = -(-max_model_len // block_size)
+        self.max_blocks = blocks_needed(max_model_len, block_size)
         self.requests: list[Request | None] = [None] * s
         self.request_id = np.full(s, -1, np.int64)
         self.num_prompt = np.zeros(s, np.int64)
@@ -59,10 +84,12 @@ class BatchState:
     def has_free_slot(self) -> bool:
         return bool(self._free_slots)
 
-    def add(self, req: Request) -> int:
+    def add(self, req: Request, num_computed: int, block_ids: list[int]) -> int:
+        """Gives a request a slot, its KV blocks and ``num_computed`` tokens already in them
+        (prefix hits), and moves its saved output tokens (after a preemption) in."""
         slot = self._free_slots.pop()
         p = req.params
-        req.slot = slot
+        req.batch, req.slot = self, slot
         self.requests[slot] = req
         self.request_id[slot] = req.request_id
         n_prompt = req.num_prompt_tokens
@@ -72,8 +99,9 @@ class BatchState:
             req.saved_output = None
         self.num_prompt[slot] = n_prompt
         self.num_tokens[slot] = n_prompt + n_out
-        self.num_computed[slot] = req.num_computed_tokens
-        self.set_blocks(slot, req.block_ids)
+        self.num_computed[slot] = num_computed
+        self.block_table[slot, : len(block_ids)] = block_ids
+        self.num_blocks[slot] = len(block_ids)
         self.last_token[slot] = self.out_tokens[slot, n_out - 1] if n_out else req.prompt[-1]
         self.stop_len[slot] = min(n_prompt + p.max_tokens, self.max_model_len)
         self.min_total[slot] = n_prompt + p.min_tokens
@@ -95,18 +123,25 @@ class BatchState:
         self.penalized[slot] = p.uses_penalties
         self.special[slot] = p.uses_penalties or p.min_tokens > 0 or p.logprobs is not None
         self.num_logprobs[slot] = -1 if p.logprobs is None else p.logprobs
-        self.seeded[slot] = req.seed is not None
+        self.seeded[slot] = req.generator is not None
         return slot
 
-    def remove(self, slot: int) -> None:
+    def remove(self, slot: int, keep_output: bool = False) -> list[int]:
+        """Frees the slot; returns the KV block ids it held (for the caller to give back).
+        ``keep_output``: a preemption, whose output tokens move to ``Request.saved_output``."""
+        req = self.requests[slot]
+        if keep_output:
+            req.saved_output = self.output_tokens(slot).copy()
+        block_ids = self.block_ids(slot)
+        req.batch, req.slot = None, -1
         self.requests[slot] = None
         self.request_id[slot] = -1
         self.num_blocks[slot] = 0
         self._free_slots.append(slot)
+        return block_ids
 
-    def set_blocks(self, slot: int, block_ids: list[int]) -> None:
-        self.block_table[slot, : len(block_ids)] = block_ids
-        self.num_blocks[slot] = len(block_ids)
+    def block_ids(self, slot: int) -> list[int]:
+        return self.block_table[slot, : self.num_blocks[slot]].tolist()
 
     def append_blocks(self, slot: int, block_ids: list[int]) -> None:
         start = self.num_blocks[slot]

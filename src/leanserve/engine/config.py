@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
+import torch
+
+from ..model.config import ModelConfig
 from ..model.loader import parse_dtype
 from ..model.quant import check_quantization
+from .batch_state import blocks_needed
+from .kv_cache import KVCache
+
+log = logging.getLogger("leanserve.engine")
 
 
 @dataclass
@@ -42,10 +50,33 @@ class EngineConfig:
         check_quantization(self.quantization, parse_dtype(self.dtype, self.device))
 
 
+def plan_kv_cache(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> tuple[int, int]:
+    """KV blocks to allocate and the max_model_len they allow: ``kv_cache_memory`` bytes, or a
+    fraction of free memory capped at what ``max_num_seqs`` full-length requests can use. A
+    request must fit the whole pool, or it would wait for blocks forever: an explicit
+    max_model_len that does not is an error, the model's own is lowered with a warning."""
+    max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
+                        model_config.max_position_embeddings)
+    bs = config.block_size
+    per_block = KVCache.bytes_per_block(model_config.num_layers, model_config.num_kv_heads, model_config.head_dim,
+                                        bs, dtype)
+    if config.kv_cache_memory is not None:
+        num_blocks = config.kv_cache_memory // per_block
+    else:
+        budget = int(config.kv_cache_fraction * available_memory_bytes(config.device))
+        num_blocks = min(budget // per_block, config.max_num_seqs * blocks_needed(max_model_len, bs) + 1)
+    capacity = (int(num_blocks) - 1) * bs  # block 0 is the null block
+    if max_model_len > capacity:
+        if config.max_model_len is not None:
+            raise ValueError(f"max_model_len: {max_model_len} tokens do not fit in the KV cache, which holds "
+                             f"{max(capacity, 0)}; raise kv_cache_memory or lower max_model_len")
+        log.warning("max_model_len lowered from %d to %d tokens: the KV cache holds no more", max_model_len, capacity)
+        max_model_len = capacity
+    return int(num_blocks), max_model_len
+
+
 def available_memory_bytes(device: str) -> int:
     if device.startswith("cuda"):
-        import torch
-
         free, _ = torch.cuda.mem_get_info(device)
         return free
     try:

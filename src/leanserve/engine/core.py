@@ -1,12 +1,13 @@
 """The engine core: the executor loop, one iteration per ``step()``.
 
-An iteration:
-  1. fetch   - drain the inbox: new requests (at most ``max_new_requests_per_step``) and aborts;
+An iteration (``step``):
+  1. fetch    - drain the inbox: new requests (at most ``max_new_requests_per_step``) and aborts;
   2. schedule - running requests first, then chunked prefill of waiting ones, under the token
                 budget; allocate KV blocks, preempting the newest request if the pool is dry;
-  3. prepare - build the model input from the persistent batch arrays;
-  4. forward + sample - one call to the model runner;
-  5. output  - append tokens, check stops, free finished requests, emit one StepOutput.
+  3. execute  - build the model input from the persistent batch arrays, forward, sample;
+  4. update   - the scheduler applies the sampled tokens (``update_from_output``: stop checks,
+                finished requests freed); the iteration's one StepOutput is returned.
+Each phase is timed by name into the per-iteration stats (``stats.FIELDS``).
 
 ``add_request`` and ``abort`` only append to a deque (O(1), thread-safe, never waits on the
 loop); validation is O(1) in the prompt length. A failing iteration fails the requests in it,
@@ -28,12 +29,12 @@ import torch
 from ..model.loader import load_model
 from ..model.transformer import Transformer
 from .batch_state import BatchState
-from .config import EngineConfig, available_memory_bytes
+from .config import EngineConfig, plan_kv_cache
 from .kv_cache import KVCache
-from .model_runner import ModelRunner, build_model_input
-from .params import SamplingParams
+from .model_runner import ModelOutput, ModelRunner, build_model_input
 from .messages import Abort, Add, StepOutput
-from .request import FinishReason, Request
+from .params import SamplingParams
+from .request import Request
 from .scheduler import ScheduledBatch, Scheduler
 from .stats import IterationStats, PhaseClock
 
@@ -45,8 +46,6 @@ IDLE_WAIT_S = 0.1
 # Work exists but nothing is runnable (e.g. every request waits for blocks): yield the GIL
 # briefly rather than spin, without adding visible latency.
 BLOCKED_WAIT_S = 0.001
-# Queue times awaiting the stats thread (drained every 0.5 s): bounded if nobody drains them.
-MAX_PENDING_QUEUE_TIMES = 65536
 
 
 def validate_request(prompt_len: int, params: SamplingParams, max_model_len: int, vocab_size: int,
@@ -90,43 +89,19 @@ class EngineCore:
         self.model = model
         mcfg = self.model.config
         self.vocab_size = mcfg.vocab_size
-        self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
         self.eos_token_ids = sorted(set(mcfg.eos_token_ids) | set(eos_token_ids or ()))
-
         dtype = self.model.embed_tokens.weight.dtype
-        bs = config.block_size
-        per_block = KVCache.bytes_per_block(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, bs, dtype)
-        if config.kv_cache_memory is not None:
-            num_blocks = config.kv_cache_memory // per_block
-        else:
-            budget = int(config.kv_cache_fraction * available_memory_bytes(config.device))
-            enough = config.max_num_seqs * -(-self.max_model_len // bs) + 1
-            num_blocks = min(budget // per_block, enough)
-        # A request must fit the whole pool, or it would wait for blocks forever.
-        capacity = (int(num_blocks) - 1) * bs  # block 0 is the null block
-        if self.max_model_len > capacity:
-            if config.max_model_len is not None:
-                raise ValueError(f"max_model_len: {self.max_model_len} tokens do not fit in the KV cache, which holds "
-                                 f"{max(capacity, 0)}; raise kv_cache_memory or lower max_model_len")
-            log.warning("max_model_len lowered from %d to %d tokens: the KV cache holds no more",
-                        self.max_model_len, capacity)
-            self.max_model_len = capacity
-        self.kv = KVCache(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, int(num_blocks), bs, dtype,
+        num_blocks, self.max_model_len = plan_kv_cache(config, mcfg, dtype)
+        self.kv = KVCache(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, num_blocks, config.block_size, dtype,
                           config.device)
-        self.batch = BatchState(config.max_num_seqs, self.max_model_len, bs, self.eos_token_ids)
+        self.batch = BatchState(config.max_num_seqs, self.max_model_len, config.block_size, self.eos_token_ids)
         self.scheduler = Scheduler(self.batch, self.kv.pool, config.max_num_batched_tokens,
                                    config.enable_prefix_caching)
         self.runner = ModelRunner(self.model, self.kv, config.device, config.seed)
         self.stats = IterationStats(config.stats_capacity)
-
-        self.requests: dict[int, Request] = {}
-        self.generators: dict[int, torch.Generator] = {}
+        self.requests: dict[int, Request] = {}  # by id, for aborts
         self._inbox: deque[tuple[Add, np.ndarray] | Abort] = deque()
         self.wakeup = threading.Event()
-        # Counters read by the metrics exporter.
-        self.prompt_tokens_total = 0
-        self.generation_tokens_total = 0
-        self.queue_times: deque[float] = deque(maxlen=MAX_PENDING_QUEUE_TIMES)  # seconds, per first admission
 
     # ------------------------------------------------------------------ boundary (any thread)
     def add_request(self, request_id: int, prompt: np.ndarray, params: SamplingParams,
@@ -156,38 +131,45 @@ class EngineCore:
         return bool(self._inbox) or bool(self.scheduler.running) or bool(self.scheduler.waiting)
 
     # ------------------------------------------------------------------ the loop body
-    def step(self, emit: Callable[[StepOutput], None]) -> bool:
-        """Runs one iteration and emits its output. Returns False when there was nothing to run."""
+    def step(self) -> StepOutput | None:
+        """One iteration: fetch, schedule, execute, update. Returns its output; None when there
+        was nothing to run or report. A failing iteration fails its own requests, not the loop."""
         clock = PhaseClock()
         aborted = self._fetch()
-        if aborted:
-            emit(self._finished_output(aborted, FinishReason.ABORT))
-        fetch_ms = clock.lap()
+        clock.lap("fetch_ms")
         sched = self.scheduler.schedule()
-        schedule_ms = clock.lap()
+        clock.lap("schedule_ms")
         if sched.empty:
-            return bool(aborted)
-        forward_ms = sample_ms = prepare_ms = 0.0
+            return StepOutput.of_aborts(aborted) if aborted else None
+        result = None
         try:
-            inp = build_model_input(self.batch, sched, self.generators)
-            prepare_ms = clock.lap()
-            out = self.runner.execute(inp)
-            forward_ms, sample_ms = out.forward_ms, out.sample_ms
-            clock.lap()
-            step_out = self._update(sched, inp, out)
+            out = self._execute(sched, clock)
+            result = self.scheduler.update_from_output(sched, out.sampled.token_ids.numpy().astype(np.int32))
+            step_out = StepOutput.of_step(result, out.sampled, out.prompt_logprobs, aborted)
+            self._forget(result.finished)
         except Exception:  # noqa: BLE001 - one bad iteration must not kill the loop
             log.error("iteration failed; failing its requests:\n%s", traceback.format_exc())
-            clock.lap()
-            step_out = self._fail(sched, traceback.format_exc(limit=1).strip().splitlines()[-1])
-        emit(step_out)
+            error = traceback.format_exc(limit=1).strip().splitlines()[-1]
+            step_out = self._fail(sched, error, aborted, result.finished if result else [])
+        clock.lap("output_ms")
+        self._record(clock, sched)
+        return step_out
+
+    def _execute(self, sched: ScheduledBatch, clock: PhaseClock) -> ModelOutput:
+        inp = build_model_input(self.batch, sched)
+        clock.lap("prepare_ms")
+        out = self.runner.execute(inp)
+        clock.lap()  # forward and sampling, which the runner times itself
+        clock.ms["forward_ms"], clock.ms["sample_ms"] = out.forward_ms, out.sample_ms
+        return out
+
+    def _record(self, clock: PhaseClock, sched: ScheduledBatch) -> None:
         self.stats.record(
-            host_step_ms=clock.total_ms, forward_ms=forward_ms, fetch_ms=fetch_ms, schedule_ms=schedule_ms,
-            prepare_ms=prepare_ms, sample_ms=sample_ms, output_ms=clock.lap(),
+            host_step_ms=clock.total_ms, **clock.ms,
             num_context_tokens=sched.num_prefill_tokens, num_generation_requests=len(sched.decode_slots),
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_blocks_used=self.kv.pool.num_used, num_preemptions=len(sched.preempted),
         )
-        return True
 
     def _fetch(self) -> list[int]:
         """Takes aborts, and at most ``max_new_requests_per_step`` new requests, from the inbox;
@@ -199,101 +181,49 @@ class EngineCore:
             item = inbox[0]
             if isinstance(item, Abort):
                 inbox.popleft()
-                for rid in item.request_ids:
-                    req = self.requests.get(rid)
-                    if req is not None:
-                        self.scheduler.finish(req)
-                        self._forget(req)
-                        aborted.append(rid)
+                reqs = [self.requests[rid] for rid in item.request_ids if rid in self.requests]
+                for req in reqs:
+                    self.scheduler.finish(req)
+                self._forget(reqs)
+                aborted += [req.request_id for req in reqs]
                 continue
             if added >= self.config.max_new_requests_per_step:
                 break
             inbox.popleft()
             added += 1
-            add, prompt = item
-            params, first = add.params, None
-            for i in range(params.n):
-                seed = None if params.seed is None else params.seed + i
-                req = Request(add.request_id + i, prompt, params, seed, prefix_parent=first,
-                              arrival_time=add.arrival_time)
-                first = first or req
-                if seed is not None:
-                    self.generators[req.request_id] = torch.Generator(self.runner.device).manual_seed(
-                        seed % 2**64)
-                self.requests[req.request_id] = req
-                self.scheduler.add(req)
+            self._admit(*item)
         return aborted
 
-    def _update(self, sched: ScheduledBatch, inp, out) -> StepOutput:
-        b, sch, bs = self.batch, self.scheduler, self.batch.block_size
-        d = sched.decode_slots
-        # 1. computed counters and newly full blocks (registered in the prefix cache)
-        if len(d):
-            b.num_computed[d] += 1  # slots are unique, so fancy-indexed += is exact
-            for s in d[b.num_computed[d] % bs == 0]:
-                sch.register_full_blocks(b.requests[s], int(b.num_computed[s]) - 1, int(b.num_computed[s]))
-        for req, start, n in sched.prefills:
-            b.num_computed[req.slot] = start + n
-            sch.register_full_blocks(req, start, start + n)
-            if start == req.num_cached_tokens and req.num_preemptions == 0:
-                self.queue_times.append(req.first_scheduled_time - req.arrival_time)
-            self.prompt_tokens_total += n
-        # 2. sampled tokens
-        ss = inp.sample_slots
-        tokens = out.sampled.token_ids.numpy().astype(np.int32)
-        n_out = b.num_tokens[ss] - b.num_prompt[ss]
-        b.out_tokens[ss, n_out] = tokens
-        b.num_tokens[ss] += 1
-        b.last_token[ss] = tokens
-        self.generation_tokens_total += len(ss)
-        # 3. stop checks, vectorised (stop_ids holds EOS too, unless the request ignores it)
-        reasons = (b.num_tokens[ss] >= b.stop_len[ss]).astype(np.int8) * np.int8(FinishReason.LENGTH)
-        reasons[(b.stop_ids[ss] == tokens[:, None]).any(axis=1)] = FinishReason.STOP
-        request_ids = b.request_id[ss].copy()
-        cached = b.num_cached[ss]
-        done = reasons != 0
-        if done.any():
-            for req in sch.finish_slots(ss[done]):
-                self._forget(req)
-        step_out = StepOutput(request_ids.tobytes(), tokens.tobytes(), reasons.tobytes(), cached.tobytes())
-        sampled = out.sampled
-        if sampled.logprobs is not None:
-            step_out.logprobs = sampled.logprobs.numpy().astype(np.float32).tobytes()
-            if sampled.top_ids is not None:
-                step_out.top_k = sampled.top_ids.shape[1]
-                step_out.top_ids = sampled.top_ids.numpy().astype(np.int32).tobytes()
-                step_out.top_logprobs = sampled.top_logprobs.numpy().astype(np.float32).tobytes()
-        if out.prompt_logprobs:
-            step_out.prompt_logprobs = {
-                rid: (lp.tobytes(), ids.tobytes(), tlp.tobytes(), ids.shape[1])
-                for rid, (lp, ids, tlp) in out.prompt_logprobs.items()
-            }
-        return step_out
+    def _admit(self, add: Add, prompt: np.ndarray) -> None:
+        """Queues the ``n`` samples of a request; samples after the first share its prompt blocks."""
+        params, first = add.params, None
+        for i in range(params.n):
+            generator = None
+            if params.seed is not None:
+                generator = torch.Generator(self.runner.device).manual_seed((params.seed + i) % 2**64)
+            req = Request(add.request_id + i, prompt, params, generator, prefix_parent=first,
+                          arrival_time=add.arrival_time)
+            first = first or req
+            self.requests[req.request_id] = req
+            self.scheduler.add(req)
 
-    @staticmethod
-    def _finished_output(ids: list[int], reason: FinishReason) -> StepOutput:
-        """Rows that end requests without a token (aborts, failures)."""
-        k = len(ids)
-        return StepOutput(
-            np.asarray(ids, np.int64).tobytes(), np.full(k, -1, np.int32).tobytes(),
-            np.full(k, reason, np.int8).tobytes(), np.zeros(k, np.int32).tobytes(),
-        )
-
-    def _forget(self, req: Request) -> None:
-        """The core's own records of a request, dropped once the scheduler has finished it.
-        Tolerant: a failing iteration (``_fail``) may reach requests ``_update`` already dropped."""
-        self.requests.pop(req.request_id, None)
-        self.generators.pop(req.request_id, None)
-
-    def _fail(self, sched: ScheduledBatch, error: str) -> StepOutput:
-        reqs = [self.batch.requests[s] for s in sched.decode_slots] + [r for r, _, _ in sched.prefills]
+    def _forget(self, reqs: list[Request]) -> None:
+        """Drops finished requests from the id table. Tolerant: a failing iteration (``_fail``)
+        may reach requests ``update_from_output`` already finished."""
         for req in reqs:
+            self.requests.pop(req.request_id, None)
+
+    def _fail(self, sched: ScheduledBatch, error: str, aborted: list[int], finished: list[Request]) -> StepOutput:
+        """Ends every request of a failed step with ``error``, including those the step's update
+        had already finished (``finished``) before the failure."""
+        reqs = {r.request_id: r for r in finished}
+        for r in [self.batch.requests[s] for s in sched.decode_slots] + [c.request for c in sched.prefills]:
+            if r is not None:  # None: a slot the update released, its request is in ``finished``
+                reqs[r.request_id] = r
+        for req in reqs.values():
             self.scheduler.finish(req)
-            self._forget(req)
-        failed = [r.request_id for r in reqs]
-        out = self._finished_output(failed, FinishReason.ERROR)
-        out.errors = {rid: error for rid in failed}
-        return out
+        self._forget(list(reqs.values()))
+        return StepOutput.of_failure(list(reqs), error, aborted)
 
 
 class EngineLoop:
@@ -323,9 +253,11 @@ class EngineLoop:
                 core.wakeup.clear()
                 continue
             self.step_started = time.monotonic()
-            ran = core.step(self.emit)
+            out = core.step()
             self.step_started = None
-            if not ran:
+            if out is not None:
+                self.emit(out)
+            else:
                 # Work exists but none is runnable now (e.g. waiting for blocks): yield briefly.
                 core.wakeup.wait(BLOCKED_WAIT_S)
                 core.wakeup.clear()

@@ -13,13 +13,17 @@ doubles as the engine's heartbeat.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import msgspec
 import numpy as np
 
 from .params import SamplingParams
 from .request import FinishReason
+
+if TYPE_CHECKING:
+    from .sampler import SamplerOutput
+    from .scheduler import StepResult
 
 # The engine sends an EngineStats snapshot at least this often, idle or not: its heartbeat.
 STATS_PERIOD_S = 0.5
@@ -28,9 +32,10 @@ STATS_PERIOD_S = 0.5
 class StepOutput(msgspec.Struct, array_like=True, gc=False):
     """Everything one iteration produced, as flat arrays: one message per iteration, not per token.
 
-    Row i: request ``request_ids[i]`` got token ``token_ids[i]`` (-1: no token, e.g. abort) and
-    finished with ``finish_reasons[i]`` (0: still running). Logprob arrays are present only when
-    some row asked for them (rows that did not are NaN / -1).
+    Row i: request ``request_ids[i]`` got token ``token_ids[i]`` (-1: no token, a failed step)
+    and finished with ``finish_reasons[i]`` (0: still running). Logprob arrays are present only
+    when some row asked for them (rows that did not are NaN / -1). ``aborted`` lists the requests
+    the iteration aborted (no token, no row).
     """
 
     request_ids: bytes  # int64
@@ -43,6 +48,39 @@ class StepOutput(msgspec.Struct, array_like=True, gc=False):
     top_k: int = 0
     prompt_logprobs: dict[int, tuple[bytes, bytes, bytes, int]] = {}  # id -> (logprob, top ids, top lps, k)
     errors: dict[int, str] = {}
+    aborted: bytes = b""  # int64
+
+    @classmethod
+    def of_step(cls, result: "StepResult", sampled: "SamplerOutput",
+                prompt_logprobs: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]], aborted: list[int]):
+        """Packs a step: the scheduler's result rows, the sampler's logprobs (if any row asked),
+        prompt logprobs by request id, and the ids aborted this iteration."""
+        out = cls(result.request_ids.tobytes(), result.token_ids.tobytes(), result.finish_reasons.tobytes(),
+                  result.num_cached_tokens.tobytes())
+        if aborted:
+            out.aborted = np.asarray(aborted, np.int64).tobytes()
+        if sampled.logprobs is not None:
+            out.logprobs = sampled.logprobs.numpy().astype(np.float32).tobytes()
+            if sampled.top_ids is not None:
+                out.top_k = sampled.top_ids.shape[1]
+                out.top_ids = sampled.top_ids.numpy().astype(np.int32).tobytes()
+                out.top_logprobs = sampled.top_logprobs.numpy().astype(np.float32).tobytes()
+        if prompt_logprobs:
+            out.prompt_logprobs = {rid: (lp.tobytes(), ids.tobytes(), tlp.tobytes(), ids.shape[1])
+                                   for rid, (lp, ids, tlp) in prompt_logprobs.items()}
+        return out
+
+    @classmethod
+    def of_failure(cls, request_ids: list[int], error: str, aborted: list[int]):
+        """A step that failed: its requests end with ``error``, without a token."""
+        k = len(request_ids)
+        return cls(np.asarray(request_ids, np.int64).tobytes(), np.full(k, -1, np.int32).tobytes(),
+                   np.full(k, FinishReason.ERROR, np.int8).tobytes(), np.zeros(k, np.int32).tobytes(),
+                   errors={rid: error for rid in request_ids}, aborted=np.asarray(aborted, np.int64).tobytes())
+
+    @classmethod
+    def of_aborts(cls, aborted: list[int]):
+        return cls(b"", b"", b"", b"", aborted=np.asarray(aborted, np.int64).tobytes())
 
     def arrays(self):
         return (
@@ -86,6 +124,8 @@ def demux(out: StepOutput) -> Iterator[tuple[int, TokenEvent]]:
         except Exception as e:  # noqa: BLE001 - reported to the one request it concerns
             ev = TokenEvent(-1, FinishReason.ERROR, error=f"could not read the engine's output: {e!r}")
         yield rid, ev
+    for rid in np.frombuffer(out.aborted, np.int64).tolist():
+        yield rid, TokenEvent(-1, FinishReason.ABORT)
 
 
 def _prompt_logprobs(lp: bytes, ids: bytes, tlp: bytes, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -1,10 +1,11 @@
 """The executor interface: one call per step, ``ModelRunner.execute(ModelInput) -> ModelOutput``.
 
-``ModelInput`` is plain numpy arrays (plus the sampling metadata), everything the forward and
-the sampler need and nothing else, so the same call can run in-process or be broadcast to
-worker ranks for tensor parallelism. Building it (``build_model_input``) is the engine's job and
-reads only the persistent batch arrays: decode rows are gathered with a few vectorised numpy
-ops; each prefill chunk is one slice.
+``ModelInput`` is numpy arrays plus the sampling metadata (torch tensors, and the seeded rows'
+generators), everything the forward and the sampler need and nothing else, so the same call can
+run in-process or be broadcast to worker ranks for tensor parallelism. Building it
+(``build_model_input``) is the engine's job and reads only the scheduled batch and the
+persistent batch arrays: decode rows are gathered with a few vectorised numpy ops; each
+prefill chunk is one slice.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 from ..model.attention import AttentionMetadata, DecodeMaskTable, bucket
 from ..model.transformer import Transformer
-from .batch_state import BatchState
+from .batch_state import BatchState, blocks_needed
 from .kv_cache import KVCache
 from .sampler import Sampler, SamplerOutput, SamplingMetadata
 from .scheduler import ScheduledBatch
@@ -32,7 +33,6 @@ class ModelInput:
     decode_seq_lens: np.ndarray  # [D] int64
     prefills: list[tuple[int, int, int, np.ndarray]]  # (row start, length, context_len, block ids)
     logits_indices: np.ndarray  # [R] rows that sample, decode rows first
-    sample_slots: np.ndarray  # [R] batch slot of each sampling row
     sampling: SamplingMetadata
     # prompt logprobs: (request id, first row, targets) -> logprob of each next prompt token
     prompt_logprob_rows: list[tuple[int, int, np.ndarray, int]] = field(default_factory=list)
@@ -50,7 +50,7 @@ class ModelOutput:
     prompt_logprobs: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)
 
 
-def build_model_input(b: BatchState, sched: ScheduledBatch, generators: dict[int, torch.Generator]) -> ModelInput:
+def build_model_input(b: BatchState, sched: ScheduledBatch) -> ModelInput:
     bs = b.block_size
     d = sched.decode_slots
     num_d = len(d)
@@ -65,34 +65,32 @@ def build_model_input(b: BatchState, sched: ScheduledBatch, generators: dict[int
     positions[:num_d] = pos_d
     slot_mapping[:num_d] = b.block_table[d, pos_d // bs] * bs + pos_d % bs
     seq_lens = pos_d + 1
-    width = int(-(-seq_lens.max() // bs)) if num_d else 0
+    width = int(blocks_needed(seq_lens.max(), bs)) if num_d else 0
     decode_bt = b.block_table[d, :width]
 
     # Prefill chunks: one slice each (a step holds few: the token budget bounds them).
     prefills = []
-    sample_rows, sample_slots, prompt_lp_rows = [], [], []
+    sample_rows, prompt_lp_rows = [], []
     row = num_d
-    for req, start, n in sched.prefills:
+    for req, start, n, samples in sched.prefills:
         s = req.slot
         end = start + n
         pos = np.arange(start, end)
         input_ids[row : row + n] = b.tokens(req, start, end)
         positions[row : row + n] = pos
         slot_mapping[row : row + n] = b.block_table[s, pos // bs] * bs + pos % bs
-        prefills.append((row, n, end, b.block_table[s, : -(-end // bs)]))
+        prefills.append((row, n, end, b.block_table[s, : blocks_needed(end, bs)]))
         if req.params.prompt_logprobs is not None:
             last = min(end, req.num_prompt_tokens - 1)  # positions that predict a prompt token
             if last > start:
                 targets = np.asarray(req.prompt[start + 1 : last + 1], np.int64)
                 prompt_lp_rows.append((req.request_id, row, targets, req.params.prompt_logprobs))
-        if end == b.num_tokens[s]:  # the chunk completes the known tokens: it samples
+        if samples:
             sample_rows.append(row + n - 1)
-            sample_slots.append(s)
         row += n
     logits_indices = np.arange(num_d)
     if sample_rows:
         logits_indices = np.concatenate((logits_indices, sample_rows))
-        d = np.concatenate((d, np.asarray(sample_slots, np.int64)))
     return ModelInput(
         input_ids=input_ids,
         positions=positions,
@@ -101,13 +99,12 @@ def build_model_input(b: BatchState, sched: ScheduledBatch, generators: dict[int
         decode_seq_lens=seq_lens,
         prefills=prefills,
         logits_indices=logits_indices,
-        sample_slots=d,
-        sampling=_sampling_metadata(b, d, generators),
+        sampling=_sampling_metadata(b, sched.sample_slots),
         prompt_logprob_rows=prompt_lp_rows,
     )
 
 
-def _sampling_metadata(b: BatchState, slots: np.ndarray, generators) -> SamplingMetadata:
+def _sampling_metadata(b: BatchState, slots: np.ndarray) -> SamplingMetadata:
     temp = b.temperature[slots]
     random_rows = temp > 0
     meta = SamplingMetadata(temperature=torch.from_numpy(temp), all_greedy=not random_rows.any())
@@ -118,7 +115,7 @@ def _sampling_metadata(b: BatchState, slots: np.ndarray, generators) -> Sampling
         meta.any_top_p = bool((random_rows & (top_p < 1)).any())
         meta.any_min_p = bool((random_rows & (min_p > 0)).any())
         for row in np.flatnonzero(b.seeded[slots]):
-            meta.generators[int(row)] = generators[int(b.request_id[slots[row]])]
+            meta.generators[int(row)] = b.requests[slots[row]].generator
     if not b.special[slots].any():
         return meta
     meta.max_num_logprobs = int(b.num_logprobs[slots].max())

@@ -118,15 +118,15 @@ def _snapshot(core: EngineCore, seen: int, current_step_s: float) -> tuple[Engin
     rows = core.stats.since(seen)
     sch, pool = core.scheduler, core.kv.pool
     queue_times = []
-    while core.queue_times:
-        queue_times.append(core.queue_times.popleft())
+    while sch.queue_times:
+        queue_times.append(sch.queue_times.popleft())
     return EngineStats(
         num_running=len(sch.running),
         num_waiting=len(sch.waiting) + core.num_queued,
         kv_blocks_used=pool.num_used,
         kv_blocks_total=pool.num_blocks - 1,
-        prompt_tokens_total=core.prompt_tokens_total,
-        generation_tokens_total=core.generation_tokens_total,
+        prompt_tokens_total=sch.prompt_tokens_total,
+        generation_tokens_total=sch.generation_tokens_total,
         prefix_queries_total=sch.prefix_queries,
         prefix_hits_total=sch.prefix_hits,
         preemptions_total=sch.num_preemptions,

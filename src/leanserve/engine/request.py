@@ -1,8 +1,9 @@
 """A request as the engine holds it.
 
 The prompt is held as the int32 array it arrived as: never copied, never turned back into a
-Python list. Output tokens live in the batch's per-slot buffer while the request runs
-(see :mod:`batch_state`); only a preempted request keeps its own copy.
+Python list. What changes every step while the request runs (computed-token count, block table,
+output tokens) lives in the persistent batch (:mod:`batch_state`), and the request reads it
+through its slot; see the table there for where each piece lives in each status.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import enum
 import time
 
 import numpy as np
+import torch
 
 from .params import SamplingParams
 
@@ -35,22 +37,22 @@ class FinishReason(enum.IntEnum):
 
 class Request:
     __slots__ = (
-        "request_id", "prompt", "params", "num_prompt_tokens", "status", "slot", "block_ids", "block_keys",
-        "num_computed_tokens", "num_cached_tokens", "saved_output", "prefix_parent", "arrival_time",
-        "first_scheduled_time", "num_preemptions", "seed",
+        "request_id", "prompt", "params", "num_prompt_tokens", "status", "batch", "slot", "block_keys",
+        "num_cached_tokens", "saved_output", "prefix_parent", "arrival_time", "first_scheduled_time",
+        "num_preemptions", "generator",
     )
 
-    def __init__(self, request_id: int, prompt: np.ndarray, params: SamplingParams, seed: int | None = None,
-                 prefix_parent: "Request | None" = None, arrival_time: float | None = None):
+    def __init__(self, request_id: int, prompt: np.ndarray, params: SamplingParams,
+                 generator: torch.Generator | None = None, prefix_parent: "Request | None" = None,
+                 arrival_time: float | None = None):
         self.request_id = request_id
         self.prompt = prompt
         self.params = params
         self.num_prompt_tokens = len(prompt)
         self.status = Status.WAITING
+        self.batch = None  # the BatchState holding the request while it runs (set with ``slot``)
         self.slot = -1
-        self.block_ids: list[int] = []
         self.block_keys: list[bytes] = []  # keys of the request's full blocks, in order
-        self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.saved_output: np.ndarray | None = None  # output tokens, kept only while preempted
         # n > 1: siblings wait for the first sample's prompt to be computed, then share its blocks.
@@ -58,4 +60,16 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_scheduled_time: float | None = None
         self.num_preemptions = 0
-        self.seed = seed
+        # Seeded sampling: the request's own random stream. It lives here, not in a batch slot,
+        # because it must continue where it was after a preemption gives the slot away.
+        self.generator = generator
+
+    # Read through the batch while running; a request out of the batch holds no blocks and has
+    # no KV computed (preemption recomputes).
+    @property
+    def num_computed_tokens(self) -> int:
+        return int(self.batch.num_computed[self.slot]) if self.slot >= 0 else 0
+
+    @property
+    def block_ids(self) -> list[int]:
+        return self.batch.block_ids(self.slot) if self.slot >= 0 else []

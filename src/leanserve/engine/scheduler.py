@@ -6,10 +6,18 @@ tokens. Chunked prefill, prefix-cache hits, resumption after preemption and deco
 that one rule. Running requests go first (so long prompts never starve decodes); waiting ones
 are admitted only if nothing was preempted this iteration.
 
-The common case (every running request fits) is vectorised over the batch; only requests that
-need a new block touch Python. When the pool runs dry, the newest running request is preempted:
-its blocks are freed and it is recomputed later (its full blocks usually survive in the prefix
-cache, so recomputation is mostly hits).
+``schedule`` plans the running requests one of three ways, all giving each request
+``min(remaining, budget left)`` tokens in order: the steady state (every request decodes one
+token; only those opening a new block touch Python), a vectorised plan (some prefill chunks
+too), and, when the pool cannot hold that plan, a walk that preempts the newest running request
+(its blocks are freed and it is recomputed later; its full blocks usually survive in the prefix
+cache, so recomputation is mostly hits). The first two are shortcuts of the walk for when it
+would preempt nothing (``tests/test_scheduler.py`` checks that on random states); all three end
+in the same tail, ``_schedule_from_plan``.
+
+After the forward, ``update_from_output`` is the one place a step's results change request
+state: computed counts, full blocks into the prefix cache, sampled tokens, stop checks,
+finished requests released. The scheduler also keeps the engine's counters.
 """
 
 from __future__ import annotations
@@ -17,27 +25,58 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
-from .batch_state import BatchState
+from .batch_state import BatchState, blocks_needed
 from .kv_cache import BlockPool, block_key
-from .request import Request, Status
+from .request import FinishReason, Request, Status
+
+# Queue times awaiting the stats thread (drained every 0.5 s): bounded if nobody drains them.
+MAX_PENDING_QUEUE_TIMES = 65536
+
+
+class Chunk(NamedTuple):
+    """Tokens ``[start, start + length)`` of a request computed in one step (not a decode row)."""
+
+    request: Request
+    start: int
+    length: int
+    samples: bool  # the chunk reaches the request's last known token: its logits give a new one
 
 
 @dataclass
 class ScheduledBatch:
     decode_slots: np.ndarray  # slots computing exactly their one newest token (and sampling)
-    prefills: list[tuple[Request, int, int]] = field(default_factory=list)  # (request, start, length)
+    prefills: list[Chunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # Slots that sample a token this step, in row order (decode rows, then sampling chunks).
+    sample_slots: np.ndarray = field(init=False)
+
+    def __post_init__(self):
+        chunks = [c.request.slot for c in self.prefills if c.samples]
+        self.sample_slots = np.concatenate((self.decode_slots, chunks)).astype(np.int64) if chunks \
+            else self.decode_slots
 
     @property
     def num_prefill_tokens(self) -> int:
-        return sum(n for _, _, n in self.prefills)
+        return sum(c.length for c in self.prefills)
 
     @property
     def empty(self) -> bool:
         return not len(self.decode_slots) and not self.prefills
+
+
+@dataclass
+class StepResult:
+    """What ``update_from_output`` made of a step, one row per sampling slot."""
+
+    request_ids: np.ndarray  # int64
+    token_ids: np.ndarray  # int32
+    finish_reasons: np.ndarray  # int8 FinishReason, 0 while running
+    num_cached_tokens: np.ndarray  # int32, prompt tokens served by the prefix cache
+    finished: list[Request]
 
 
 class Scheduler:
@@ -51,25 +90,29 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._running_slots: np.ndarray | None = None  # cache of [r.slot for r in running]
+        # Counters read by the metrics exporter.
         self.num_preemptions = 0
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of which found
+        # Prompt tokens to compute, counted at each request's first admission: prefix hits
+        # excluded, recomputation after a preemption not counted again.
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.queue_times: deque[float] = deque(maxlen=MAX_PENDING_QUEUE_TIMES)  # seconds, per first admission
 
     # ------------------------------------------------------------------ queue changes
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
     def finish(self, req: Request) -> None:
-        """Removes a request wherever it is (aborts, failures) and frees its blocks and slot."""
+        """Removes a request wherever it is (aborts, failures) and frees its blocks and slot.
+        A request already finished is left as it is."""
         if req.status == Status.RUNNING:
             self.running.remove(req)
             self._running_slots = None
             self._release(req)
-        else:
-            if req.status == Status.WAITING and req in self.waiting:
-                self.waiting.remove(req)
-            self.pool.free(req.block_ids)
-            req.block_ids = []
+        elif req.status == Status.WAITING and req in self.waiting:
+            self.waiting.remove(req)  # a waiting request holds no blocks
         req.status = Status.FINISHED
 
     def finish_slots(self, slots: np.ndarray) -> list[Request]:
@@ -85,98 +128,115 @@ class Scheduler:
 
     def _release(self, req: Request) -> None:
         """A running request gives back its batch slot and KV blocks."""
-        self.batch.remove(req.slot)
-        req.slot = -1
-        self.pool.free(req.block_ids)
-        req.block_ids = []
+        self.pool.free(self.batch.remove(req.slot))
 
     # ------------------------------------------------------------------ scheduling
+    def schedule(self) -> ScheduledBatch:
+        budget = self.max_num_batched_tokens
+        slots = self._slots()
+        if self._steady_state(slots, budget):
+            return self._schedule_from_plan(slots, None, budget, [])
+        granted, preempted = self._plan_vectorised(slots, budget), []
+        if granted is None:
+            granted, preempted = self._plan_with_preemption(budget)
+            slots = self._slots()
+        return self._schedule_from_plan(slots, granted, budget, preempted)
+
     def _slots(self) -> np.ndarray:
         if self._running_slots is None:
             self._running_slots = np.fromiter((r.slot for r in self.running), np.int64, len(self.running))
         return self._running_slots
 
-    def schedule(self) -> ScheduledBatch:
-        b, bs = self.batch, self.block_size
-        budget = self.max_num_batched_tokens
-        preempted: list[Request] = []
-        slots = self._slots()
-        if len(slots) and len(slots) <= budget:
-            # Steady state: every running request decodes one token. Only requests whose next
-            # token opens a new block touch Python.
-            computed = b.num_computed[slots]
-            if (b.num_tokens[slots] - computed == 1).all():
-                grow = slots[b.num_blocks[slots] * bs == computed]
-                if len(grow) <= self.pool.num_free:
-                    for s in grow:
-                        b.append_blocks(s, self._allocate(b.requests[s], 1))
-                    return ScheduledBatch(slots, self._admit(budget - len(slots)))
-        if len(slots):
-            remaining = b.num_tokens[slots] - b.num_computed[slots]
-            before = np.cumsum(remaining) - remaining
-            n = np.clip(budget - before, 0, remaining)
-            need = np.maximum(-(-(b.num_computed[slots] + n) // bs) - b.num_blocks[slots], 0)
-            if need.sum() <= self.pool.num_free:
-                for i in np.flatnonzero(need):
-                    b.append_blocks(slots[i], self._allocate(b.requests[slots[i]], int(need[i])))
-            else:
-                n, preempted = self._schedule_running_with_preemption(budget)
-                slots = self._slots()
-            budget -= int(n.sum())
-            remaining = b.num_tokens[slots] - b.num_computed[slots]
-            is_decode = (n == 1) & (remaining == 1)
-            decode_slots = slots[is_decode]
-            prefills = [
-                (b.requests[s], int(b.num_computed[s]), int(k))
-                for s, k in zip(slots[~is_decode & (n > 0)], n[~is_decode & (n > 0)])
-            ]
-        else:
-            decode_slots, prefills = slots, []
-        if not preempted:
-            prefills += self._admit(budget)
-        return ScheduledBatch(decode_slots, prefills, preempted)
+    def _steady_state(self, slots: np.ndarray, budget: int) -> bool:
+        """Whether every running request decodes its one newest token and the blocks they open
+        are free; if so, those blocks are allocated (one token each is then the plan)."""
+        b = self.batch
+        if not len(slots) or len(slots) > budget:
+            return False
+        computed = b.num_computed[slots]
+        if not (b.num_tokens[slots] - computed == 1).all():
+            return False
+        opening = slots[b.num_blocks[slots] * self.block_size == computed]
+        if len(opening) > self.pool.num_free:
+            return False
+        for s in opening:
+            self._grow(s, 1)
+        return True
 
-    def _allocate(self, req: Request, count: int) -> list[int]:
-        new = self.pool.allocate(count)
-        req.block_ids.extend(new)
-        return new
+    def _plan_vectorised(self, slots: np.ndarray, budget: int) -> np.ndarray | None:
+        """Running requests in order take ``min(remaining, budget left)`` tokens each. None when
+        the blocks for that do not all fit (the walk then decides whom to preempt)."""
+        b = self.batch
+        remaining = b.num_tokens[slots] - b.num_computed[slots]
+        before = np.cumsum(remaining) - remaining
+        granted = np.clip(budget - before, 0, remaining)
+        need = np.maximum(blocks_needed(b.num_computed[slots] + granted, self.block_size) - b.num_blocks[slots], 0)
+        if need.sum() > self.pool.num_free:
+            return None
+        for i in np.flatnonzero(need):
+            self._grow(slots[i], int(need[i]))
+        return granted
 
-    def _schedule_running_with_preemption(self, budget: int) -> tuple[np.ndarray, list[Request]]:
-        """The slow path: walk running requests in order, preempting the newest when blocks run out."""
-        b, bs = self.batch, self.block_size
+    def _plan_with_preemption(self, budget: int) -> tuple[np.ndarray, list[Request]]:
+        """The walk: running requests in order, each taking ``min(remaining, budget left)``
+        tokens; when blocks run out, the newest running request is preempted (possibly the one
+        at hand). Returns the tokens granted to those still running, and the preempted."""
+        b = self.batch
         preempted, granted = [], []
         i = 0
         while i < len(self.running):
             req = self.running[i]
             s = req.slot
             k = min(int(b.num_tokens[s] - b.num_computed[s]), budget)
-            need = max(-(-(int(b.num_computed[s]) + k) // bs) - int(b.num_blocks[s]), 0)
+            need = max(blocks_needed(int(b.num_computed[s]) + k, self.block_size) - int(b.num_blocks[s]), 0)
             while need > self.pool.num_free and self.running[-1] is not req:
                 preempted.append(self._preempt(self.running[-1]))
             if need > self.pool.num_free:
                 preempted.append(self._preempt(req))
                 break
             if need:
-                b.append_blocks(s, self._allocate(req, need))
+                self._grow(s, need)
             granted.append(k)
             budget -= k
             i += 1
         self._running_slots = None
         return np.asarray(granted, np.int64), preempted
 
+    def _schedule_from_plan(self, slots: np.ndarray, granted: np.ndarray | None, budget: int,
+                            preempted: list[Request]) -> ScheduledBatch:
+        """The tail every plan shares: a running request granted exactly its one remaining token
+        is a decode row, any other grant a chunk (``granted`` None: the steady state, all decode
+        rows); waiting requests are admitted with the budget left, unless this step preempted
+        (they would take the blocks just freed)."""
+        if granted is None:
+            decode_slots, prefills, spent = slots.copy(), [], len(slots)  # a copy: slots is our cache
+        else:
+            b = self.batch
+            remaining = b.num_tokens[slots] - b.num_computed[slots]
+            is_decode = (granted == 1) & (remaining == 1)
+            chunked = ~is_decode & (granted > 0)
+            decode_slots, spent = slots[is_decode], int(granted.sum())
+            prefills = [
+                Chunk(b.requests[s], int(b.num_computed[s]), int(k), bool(k == r))
+                for s, k, r in zip(slots[chunked], granted[chunked], remaining[chunked])
+            ]
+        if not preempted:
+            prefills += self._admit(budget - spent)
+        return ScheduledBatch(decode_slots, prefills, preempted)
+
+    def _grow(self, slot: int, count: int) -> None:
+        self.batch.append_blocks(slot, self.pool.allocate(count))
+
     def _preempt(self, req: Request) -> Request:
-        b = self.batch
-        req.saved_output = b.output_tokens(req.slot).copy()
         self.running.remove(req)
-        self._release(req)
-        req.num_computed_tokens = 0
+        self.pool.free(self.batch.remove(req.slot, keep_output=True))
         req.status = Status.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
         return req
 
-    def _admit(self, budget: int) -> list[tuple[Request, int, int]]:
+    def _admit(self, budget: int) -> list[Chunk]:
         b, bs = self.batch, self.block_size
         out = []
         while self.waiting and budget > 0 and b.has_free_slot:
@@ -184,7 +244,7 @@ class Scheduler:
             parent = req.prefix_parent
             if parent is not None:
                 if parent.status == Status.WAITING or (
-                    parent.status == Status.RUNNING and b.num_computed[parent.slot] < parent.num_prompt_tokens
+                    parent.status == Status.RUNNING and parent.num_computed_tokens < parent.num_prompt_tokens
                 ):
                     break  # share the first sample's prompt blocks once they are computed
                 req.prefix_parent = None
@@ -193,25 +253,25 @@ class Scheduler:
             hits = self._lookup(req, total) if use_cache else []
             computed = len(hits) * bs
             k = min(total - computed, budget)
-            need = -(-(computed + k) // bs) - len(hits)
+            need = blocks_needed(computed + k, bs) - len(hits)
             free_after_share = self.pool.num_free - sum(self.pool.blocks[h].ref_count == 0 for h in hits)
             if need > free_after_share:
                 break
             self.pool.share(hits)
-            req.block_ids = hits + self.pool.allocate(need)
-            req.num_computed_tokens = computed
             if req.first_scheduled_time is None:  # first admission: not a resumption after preemption
                 req.first_scheduled_time = time.monotonic()
+                self.queue_times.append(req.first_scheduled_time - req.arrival_time)
+                self.prompt_tokens_total += req.num_prompt_tokens - computed
                 req.num_cached_tokens = computed
                 if use_cache:  # counted once admitted, not on every step a request waits for blocks
                     self.prefix_queries += req.num_prompt_tokens
                     self.prefix_hits += computed
             req.status = Status.RUNNING
             self.waiting.popleft()
-            b.add(req)
+            b.add(req, computed, hits + self.pool.allocate(need))
             self.running.append(req)
             self._running_slots = None
-            out.append((req, computed, k))
+            out.append(Chunk(req, computed, k, computed + k == total))
             budget -= k
         return out
 
@@ -222,18 +282,15 @@ class Scheduler:
 
     def _lookup(self, req: Request, total: int) -> list[int]:
         """Block ids of the longest cached prefix, leaving at least one token to compute."""
-        bs = self.block_size
-        full = (total - 1) // bs
         hits = []
-        for j in range(full):
-            key = self.block_key(req, j)
-            bid = self.pool.lookup(key)
+        for j in range((total - 1) // self.block_size):
+            bid = self.pool.lookup(self._block_key(req, j))
             if bid is None:
                 break
             hits.append(bid)
         return hits
 
-    def block_key(self, req: Request, j: int) -> bytes:
+    def _block_key(self, req: Request, j: int) -> bytes:
         """Key of the request's j-th full block; keys are computed in order and kept."""
         keys, bs = req.block_keys, self.block_size
         while len(keys) <= j:
@@ -241,7 +298,40 @@ class Scheduler:
             keys.append(block_key(keys[-1] if keys else b"", self.batch.tokens(req, i * bs, (i + 1) * bs)))
         return keys[j]
 
-    def register_full_blocks(self, req: Request, old_computed: int, new_computed: int) -> None:
-        bs = self.block_size
+    # ------------------------------------------------------------------ after the forward
+    def update_from_output(self, sched: ScheduledBatch, token_ids: np.ndarray) -> StepResult:
+        """Applies a step's sampled tokens (int32, one per ``sched.sample_slots``): computed
+        counts advance, newly full blocks enter the prefix cache, tokens are appended, stops are
+        checked (vectorised) and finished requests give back their slot and blocks."""
+        b = self.batch
+        self._advance_computed(sched)
+        ss = sched.sample_slots
+        b.out_tokens[ss, b.num_tokens[ss] - b.num_prompt[ss]] = token_ids
+        b.num_tokens[ss] += 1
+        b.last_token[ss] = token_ids
+        self.generation_tokens_total += len(ss)
+        # stop_ids holds EOS too, unless the request ignores it
+        reasons = (b.num_tokens[ss] >= b.stop_len[ss]).astype(np.int8) * np.int8(FinishReason.LENGTH)
+        reasons[(b.stop_ids[ss] == token_ids[:, None]).any(axis=1)] = FinishReason.STOP
+        result = StepResult(b.request_id[ss], token_ids, reasons, b.num_cached[ss], [])  # fancy indexing copies
+        done = reasons != 0
+        if done.any():
+            result.finished = self.finish_slots(ss[done])
+        return result
+
+    def _advance_computed(self, sched: ScheduledBatch) -> None:
+        b, bs = self.batch, self.block_size
+        d = sched.decode_slots
+        if len(d):
+            b.num_computed[d] += 1  # slots are unique, so fancy-indexed += is exact
+            for s in d[b.num_computed[d] % bs == 0]:
+                end = int(b.num_computed[s])
+                self._register_full_blocks(b.requests[s], end - 1, end)
+        for req, start, n, _ in sched.prefills:
+            b.num_computed[req.slot] = start + n
+            self._register_full_blocks(req, start, start + n)
+
+    def _register_full_blocks(self, req: Request, old_computed: int, new_computed: int) -> None:
+        bs, row = self.block_size, self.batch.block_table[req.slot]
         for j in range(old_computed // bs, new_computed // bs):
-            self.pool.register(req.block_ids[j], self.block_key(req, j))
+            self.pool.register(int(row[j]), self._block_key(req, j))

@@ -31,18 +31,25 @@ FIELDS = (
 )
 
 
-class PhaseClock:
-    """Milliseconds since the last lap, for an iteration's phases: ``lap()`` after each one."""
+PHASES = ("fetch_ms", "schedule_ms", "prepare_ms", "forward_ms", "sample_ms", "output_ms")
 
-    __slots__ = ("start", "_last")
+
+class PhaseClock:
+    """An iteration's phases by name: ``lap(name)`` at the end of each adds the milliseconds
+    since the previous lap to ``ms[name]`` (``lap()`` skips a span measured elsewhere). Phases
+    an iteration never reached stay 0."""
+
+    __slots__ = ("start", "_last", "ms")
 
     def __init__(self):
         self.start = self._last = time.perf_counter()
+        self.ms = dict.fromkeys(PHASES, 0.0)
 
-    def lap(self) -> float:
+    def lap(self, name: str | None = None) -> None:
         now = time.perf_counter()
-        ms, self._last = (now - self._last) * 1e3, now
-        return ms
+        if name is not None:
+            self.ms[name] += (now - self._last) * 1e3
+        self._last = now
 
     @property
     def total_ms(self) -> float:
