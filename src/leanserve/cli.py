@@ -1,4 +1,4 @@
-"""Command line: ``leanserve generate | chat | serve | bench``."""
+"""Command line: ``leanserve generate | chat | serve | router | bench``."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import sys
 
 from .model.config import ModelLoadError
 from .model.quant import QUANTIZATIONS
+from .router.config import POLICIES
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -97,6 +98,15 @@ def cmd_serve(a) -> None:
                        watchdog_timeout=a.watchdog_timeout))
 
 
+def cmd_router(a) -> None:
+    from .router.app import serve
+    from .router.config import RouterConfig
+
+    # A bad combination of flags is a ValueError from RouterConfig.validate: one line, from main().
+    serve(RouterConfig(host=a.host, port=a.port, backends=tuple(a.backend or ()), prefill=tuple(a.prefill or ()),
+                       decode=tuple(a.decode or ()), policy=a.policy, health_interval_s=a.health_interval))
+
+
 def cmd_bench(a) -> None:
     from .bench import host, serve, soak
 
@@ -135,6 +145,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds without engine progress (one iteration, or no heartbeat) before /health "
                         "answers 503 and the engine logs its loop's stack")
     s.set_defaults(func=cmd_serve)
+
+    r = sub.add_parser("router", help="OpenAI-compatible proxy: load-balances replicas (--backend) or runs "
+                                      "disaggregated prefill/decode (--prefill, --decode)")
+    r.add_argument("--host", default="127.0.0.1")
+    r.add_argument("--port", type=int, default=8000)
+    roles = r.add_mutually_exclusive_group(required=True)
+    roles.add_argument("--backend", nargs="+", metavar="URL", help="aggregated replicas, e.g. http://127.0.0.1:8001")
+    roles.add_argument("--prefill", nargs="+", metavar="URL", help="prefill workers (with --decode)")
+    r.add_argument("--decode", nargs="+", metavar="URL", help="decode workers (with --prefill)")
+    r.add_argument("--policy", default="round_robin", choices=POLICIES,
+                   help="least_loaded: fewest requests in flight through this router, ties round robin")
+    r.add_argument("--health-interval", type=float, default=1.0, metavar="SECONDS",
+                   help="how often each backend's /health is polled (a failing one leaves rotation until it answers)")
+    r.set_defaults(func=cmd_router)
 
     b = sub.add_parser("bench", help="benchmarks: `host` (executor host path), `serve` (load generator) "
                                      "or `soak` (reliability under a mixed workload)")
