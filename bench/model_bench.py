@@ -58,27 +58,23 @@ def gemm_gflops(dtype, quantization: str, m: int, k: int = 576, n: int = 1536, r
 
 
 def forward_ms(model, batch: int, context: int, prefill: int = 0, reps: int = 5) -> float:
-    from leanserve.engine.kv_cache import KVCache
-    from leanserve.model.attention import AttentionMetadata
-    from leanserve.model.decode_attention import DecodeAttention
+    from leanserve.model.attention import AttentionMetadata, DecodeMaskTable
 
     cfg, bs = model.config, 16
     per_seq = -(-max(context, prefill) // bs) + 1
     nblocks = batch * per_seq + 1
-    kv = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, nblocks, bs, model.norm.weight.dtype, "cpu")
+    kv = torch.zeros(cfg.num_layers, 2, nblocks, bs, cfg.num_kv_heads, cfg.head_dim, dtype=model.norm.weight.dtype)
+    tables = torch.arange(1, nblocks).view(batch, per_seq)
     if prefill:
         n = prefill
-        meta = AttentionMetadata.build(torch.arange(bs, bs + n), bs, [(0, n, n, None)])
-        args = (torch.randint(0, 40000, (n,)), torch.arange(n), kv.layers, meta, torch.tensor([n - 1]))
+        meta = AttentionMetadata.build(torch.arange(bs, bs + n), None, None, 0, [(0, n, n, None)])
+        args = (torch.randint(0, 40000, (n,)), torch.arange(n), kv, meta, torch.tensor([n - 1]))
     else:
-        attention = DecodeAttention(kv.tensor.device, kv.tensor.dtype)
-        attention.warm_up(kv.layers[0, 0], kv.layers[0, 1], cfg.num_heads, cfg.head_dim)
-        with torch.inference_mode():  # as the engine makes a step's inputs
-            tables = torch.arange(1, nblocks).view(batch, per_seq)
-            pos = torch.full((batch,), context - 1)
-            slots = tables[:, (context - 1) // bs] * bs + (context - 1) % bs
-            meta = AttentionMetadata.build(slots, bs, [], tables, (pos + 1).to(torch.int32), attention)
-        args = (torch.randint(0, 40000, (batch,)), pos, kv.layers, meta, None)
+        pos = torch.full((batch,), context - 1)
+        slots = tables[:, (context - 1) // bs] * bs + (context - 1) % bs
+        mask = DecodeMaskTable(kv.device)(pos + 1, tables.shape[1] * bs)
+        meta = AttentionMetadata.build(slots, tables, mask, context, [])
+        args = (torch.randint(0, 40000, (batch,)), pos, kv, meta, None)
     model(*args)
     times = []
     for _ in range(reps):

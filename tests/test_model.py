@@ -10,7 +10,6 @@ import torch
 
 from leanserve import LLM, SamplingParams
 from leanserve.engine.config import EngineConfig
-from leanserve.engine.kv_cache import KVCache
 from leanserve.model import load_model
 from leanserve.model.attention import AttentionMetadata
 from leanserve.model.quant import SmallBatchInt8Linear
@@ -30,10 +29,10 @@ def dense_logits(model, ids: list[int]) -> torch.Tensor:
     cfg = model.config
     block = 16
     blocks = -(-len(ids) // block) + 1
-    kv = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, blocks, block, model.norm.weight.dtype, "cpu")
+    kv = torch.zeros(cfg.num_layers, 2, blocks, block, cfg.num_kv_heads, cfg.head_dim, dtype=model.norm.weight.dtype)
     n = len(ids)
-    meta = AttentionMetadata.build(torch.arange(block, block + n), block, [(0, n, n, None)])
-    return model(torch.tensor(ids), torch.arange(n), kv.layers, meta)
+    meta = AttentionMetadata.build(torch.arange(block, block + n), None, None, 0, [(0, n, n, None)])
+    return model(torch.tensor(ids), torch.arange(n), kv, meta)
 
 
 def hf_greedy(ref, ids, n=48) -> list[int]:

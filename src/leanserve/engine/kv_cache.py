@@ -114,48 +114,25 @@ def block_key(parent: bytes, tokens: np.ndarray) -> bytes:
 
 
 class KVCache:
-    """The cache tensor plus its block pool.
-
-    One tensor, block-major: ``[num_blocks, layers, 2 (k, v), kv_heads, block_size, head_dim]``.
-    Block ``b`` is ``tensor[b]``, one contiguous buffer holding, layer by layer, the keys of the
-    block's ``block_size`` token slots for every KV head (head by head, slot by slot), then
-    their values likewise. So a request's KV moves between processes (disaggregated serving) as
-    a send of existing memory, one buffer per block. A tensor-parallel rank holds a cache of
-    this layout for its own KV heads; moving a block between different tensor-parallel degrees
-    takes its heads' share of each (layer, k/v) piece: ``2 * layers`` contiguous pieces per
-    block.
-
-    Why this order, for decode attention (``model/decode_attention.py``), which reads the blocks
-    in place: a layer's keys (and values) of a block are one contiguous run for all heads, and
-    one head's are a contiguous run of whole rows. Measured on one thread here, attention of
-    64 sequences x 1,024 tokens of the default model over 16-token blocks: 455 ms this way,
-    680 ms with heads outermost in the block (a run per head and layer), 514 ms with slots
-    outside heads. A slot never written holds zeros or stale values; attention masks slots
-    past a sequence's length. :attr:`layers` is the per-layer view the model indexes.
-    """
+    """The cache tensor plus its block pool; one tensor for all layers:
+    [layers, 2 (k, v), num_blocks, block_size, kv_heads, head_dim]."""
 
     def __init__(self, num_layers, num_kv_heads, head_dim, num_blocks, block_size, dtype, device):
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
-        self.tensor = torch.zeros(num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim, dtype=dtype,
+        self.tensor = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype,
                                   device=device)
-        # [layers, 2, num_blocks, kv_heads, block_size, head_dim]: layers[i, 0] / layers[i, 1] are
-        # layer i's key / value blocks, strided views of the same memory.
-        self.layers = self.tensor.permute(1, 2, 0, 3, 4, 5)
 
     @staticmethod
     def bytes_per_block(num_layers, num_kv_heads, head_dim, block_size, dtype) -> int:
         return num_layers * 2 * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
     # Disaggregated serving hands a request's KV from a prefill worker to a decode worker:
-    # these two calls are the whole contract (block contents out, block contents in). A block's
-    # contents are one contiguous buffer (``tensor[block_id]``); a transport that registers
-    # ``tensor`` can send them in place, at ``block_id * bytes_per_block``.
+    # these two calls are the whole contract (block contents out, block contents in).
     def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """[len(block_ids), layers, 2, kv_heads, block_size, head_dim]: one copy per block."""
-        return self.tensor[block_ids]
+        return self.tensor[:, :, block_ids].clone()
 
     def import_blocks(self, data: torch.Tensor) -> list[int]:
-        block_ids = self.pool.allocate(data.shape[0])
-        self.tensor[block_ids] = data.to(self.tensor.dtype)
+        block_ids = self.pool.allocate(data.shape[2])
+        self.tensor[:, :, block_ids] = data.to(self.tensor.dtype)
         return block_ids

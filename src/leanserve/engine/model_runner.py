@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..model.attention import AttentionMetadata, bucket
-from ..model.decode_attention import DecodeAttention
+from ..model.attention import AttentionMetadata, DecodeMaskTable, bucket
 from ..model.transformer import Transformer
 from .batch_state import BatchState, blocks_needed
 from .kv_cache import KVCache
@@ -156,13 +155,10 @@ class ModelRunner:
         self.kv = kv_cache
         self.device = torch.device(device)
         self.sampler = Sampler(self.device, seed)
+        self.decode_masks = DecodeMaskTable(self.device, dtype=model.embed_tokens.weight.dtype)
         # Bounded shapes (see model/attention.py): the step's token rows, the rows reaching the
         # output head and each prefill chunk's query rows and key blocks are padded to buckets.
         self.pad_shapes = default_pad_shapes(model, self.device) if pad_shapes is None else pad_shapes
-        # Decode attention compiled at start-up (its one kernel), not at the first long step.
-        cfg = model.config
-        self.decode_attention = DecodeAttention(self.device, model.embed_tokens.weight.dtype)
-        self.decode_attention.warm_up(kv_cache.layers[0, 0], kv_cache.layers[0, 1], cfg.num_heads, cfg.head_dim)
 
     def _t(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a).to(self.device, non_blocking=True)
@@ -183,11 +179,15 @@ class ModelRunner:
                 num_rows = max(num_rows, start + bucket(n, 16))
             num_rows = bucket(num_rows)
         meta = AttentionMetadata.build(
-            self._t(inp.slot_mapping), bs,
-            [(start, n, ctx, self._t(blocks)) for start, n, ctx, blocks in prefills],
+            self._t(inp.slot_mapping),
             self._t(inp.decode_block_table) if num_decode else None,
-            self._t(inp.decode_seq_lens.astype(np.int32)) if num_decode else None,
-            self.decode_attention, pad,
+            # With padding, a mask for a lone row too: its keys are then whole blocks, not a new
+            # length (and kernel) per token. Without, its keys are sliced to its context.
+            self.decode_masks(self._t(inp.decode_seq_lens), inp.decode_block_table.shape[1] * bs)
+            if num_decode > 1 or (num_decode and pad) else None,
+            int(inp.decode_seq_lens.max()) if num_decode else 0,
+            [(start, n, ctx, self._t(blocks)) for start, n, ctx, blocks in prefills],
+            bs if pad else None,
         )
         rows = inp.logits_indices
         extra = [np.arange(r0, r0 + len(t)) for _, r0, t, _ in inp.prompt_logprob_rows]
@@ -203,7 +203,7 @@ class ModelRunner:
         if num_rows != inp.num_tokens:
             input_ids, positions = _padded(input_ids, num_rows), _padded(positions, num_rows)
         t0 = time.perf_counter()
-        logits = self.model(self._t(input_ids), self._t(positions), self.kv.layers, meta, rows_t)
+        logits = self.model(self._t(input_ids), self._t(positions), self.kv.tensor, meta, rows_t)
         if len(logits) != num_logits:
             logits = logits[:num_logits]
         t1 = time.perf_counter()

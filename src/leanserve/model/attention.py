@@ -1,14 +1,11 @@
 """Attention over a paged KV cache for a flat batch that mixes decode tokens and prefill chunks.
 
 The batch is laid out decode tokens first (one per sequence), then prefill chunks back to back.
-The cache is block-major (``engine/kv_cache.py``); a layer's keys and values are views
-[num_blocks, kv_heads, block_size, head_dim]. Decode rows are attended by
-``model/decode_attention.py``, which reads the blocks in place; each prefill chunk is attended
-on its own, with SDPA over its context's blocks gathered (a step holds few chunks: the token
-budget bounds them).
+Decode rows are attended in one SDPA call over keys gathered block-wise from the cache;
+each prefill chunk is attended on its own (a step holds few of them: the token budget bounds it).
 
-Everything that depends only on the batch shape (masks, block ids, cache slots) is built once
-per step in :class:`AttentionMetadata` and shared by all layers.
+Everything that depends only on the batch shape (masks, gathered block ids) is built once per
+step in :class:`AttentionMetadata` and shared by all layers.
 
 Shapes are kept to a bounded set where kernels are cached per shape. On the CPU, bf16/fp16
 matmuls run through oneDNN, which JITs and keeps a kernel per problem shape (~0.2-0.6 MB each,
@@ -17,22 +14,18 @@ micro-kernels kept in a cache with no bound, keyed by query and key block sizes.
 that follow the data (tokens per step, chunk and context lengths, one more key per decoded
 token) a mixed workload kept creating kernels, and the churn of the full LRU caches kept
 fragmenting the heap: the engine grew by 1.36 GB over 600 mixed requests here. So with
-padding on (``pad_shapes`` given to :meth:`AttentionMetadata.build`; the model runner's
+padding on (``block_size`` given to :meth:`AttentionMetadata.build`; the model runner's
 ``pad_shapes``), prefill chunks attend a bucketed number of query rows (see :func:`bucket`)
-and whole, bucketed key blocks. Compiled decode kernels take any number of rows and blocks;
-eager decode attends whole blocks, in SDPA, whose kernels do not depend on the number of rows.
+and whole, bucketed key blocks; decode rows always attend whole blocks, in SDPA, whose
+kernels do not depend on the number of rows.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-
-if TYPE_CHECKING:
-    from .decode_attention import DecodeAttention
 
 
 def bucket(n: int, multiple: int = 1) -> int:
@@ -59,54 +52,51 @@ class PrefillChunk:
 
 @dataclass
 class AttentionMetadata:
-    block_size: int
-    slot_block: torch.Tensor  # [T] long: cache block of each new token
-    slot_offset: torch.Tensor  # [T] long: its slot in the block
+    slot_mapping: torch.Tensor  # [T] long: cache slot (block * block_size + offset) of each new token
     num_decode: int  # rows [0, num_decode) are decode tokens, one per sequence
     decode_block_ids: torch.Tensor | None  # [D, max_blocks] long
-    decode_seq_lens: torch.Tensor | None  # [D] int32: context of each decode row, its new token included
-    decode_attention: "DecodeAttention | None"
+    decode_mask: torch.Tensor | None  # [D, 1, 1, max_blocks * block_size] additive float: 0 or -inf
+    decode_len: int  # longest decode context (the exact one when D == 1 and there is no mask)
     prefills: list[PrefillChunk]
 
     @property
     def num_tokens(self) -> int:
         """Rows of the step that are tokens; the model's input may have padding rows after them."""
-        return self.slot_block.shape[0]
+        return self.slot_mapping.shape[0]
 
     @classmethod
     def build(
         cls,
         slot_mapping: torch.Tensor,
-        block_size: int,
+        decode_block_ids: torch.Tensor | None,
+        decode_mask: torch.Tensor | None,
+        decode_len: int,
         prefills: list[tuple[int, int, int, torch.Tensor | None]],
-        decode_block_ids: torch.Tensor | None = None,
-        decode_seq_lens: torch.Tensor | None = None,
-        decode_attention: "DecodeAttention | None" = None,
-        pad_shapes: bool = False,
+        block_size: int | None = None,
     ) -> "AttentionMetadata":
-        """``slot_mapping`` [T]: cache slot (block * block_size + offset) of each new token;
-        ``prefills`` holds (start, length, context_len, block_ids) per chunk; decode rows, if
-        any, need all three ``decode_*``.
+        """``decode_mask`` is [D, width] additive float (see :class:`DecodeMaskTable`); without
+        one, a lone decode row attends exactly ``decode_len`` keys (a new shape per length);
+        ``decode_len`` the longest decode context; ``prefills`` holds (start, length,
+        context_len, block_ids) per chunk.
 
-        ``pad_shapes``: each chunk attends ``bucket(length, 16)`` query rows, the chunk's and
-        those after it in the flat batch (the caller provides them; their outputs are dropped),
-        and a chunk with context attends every key of its ``block_ids`` (the caller may pad them
-        with the null block), masked beyond its context."""
+        ``block_size`` set: shapes are bucketed. Each chunk attends ``bucket(length, 16)`` query
+        rows, the chunk's and those after it in the flat batch (the caller provides them; their
+        outputs are dropped), and a chunk with context attends every key of its ``block_ids``
+        (the caller may pad them with the null block), masked beyond its context."""
         device = slot_mapping.device
         num_decode = 0 if decode_block_ids is None else decode_block_ids.shape[0]
         chunks = []
         for start, length, context_len, block_ids in prefills:
-            q_len = bucket(length, 16) if pad_shapes else length
+            q_len = length if block_size is None else bucket(length, 16)
             if context_len == length:
                 chunks.append(PrefillChunk(start, length, context_len, None, None, q_len, q_len))
                 continue
-            kv_len = block_ids.shape[0] * block_size if pad_shapes else context_len
+            kv_len = context_len if block_size is None else block_ids.shape[0] * block_size
             q_pos = torch.arange(context_len - length, context_len - length + q_len, device=device)
             mask = torch.arange(kv_len, device=device)[None, :] <= q_pos[:, None]
             chunks.append(PrefillChunk(start, length, context_len, block_ids, mask, q_len, kv_len))
-        return cls(block_size, slot_mapping // block_size, slot_mapping % block_size, num_decode,
-                   decode_block_ids if num_decode else None, decode_seq_lens if num_decode else None,
-                   decode_attention, chunks)
+        mask = decode_mask[:, None, None, :] if num_decode and decode_mask is not None else None
+        return cls(slot_mapping, num_decode, decode_block_ids if num_decode else None, mask, decode_len, chunks)
 
 
 class DecodeMaskTable:
@@ -138,32 +128,31 @@ class DecodeMaskTable:
 
 
 def paged_attention(
-    q: torch.Tensor,  # [T, H, Dh]
-    k: torch.Tensor,  # [T, KVH, Dh]
-    v: torch.Tensor,  # [T, KVH, Dh]
-    k_cache: torch.Tensor,  # [num_blocks, KVH, block_size, Dh]: this layer's keys
-    v_cache: torch.Tensor,  # [num_blocks, KVH, block_size, Dh]: and values
+    q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, KVH, D]
+    v: torch.Tensor,  # [T, KVH, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """Writes this step's k/v into the cache, then attends every row to its context. Returns [T, H*Dh].
+    """Writes this step's k/v into the cache, then attends every row to its context. Returns [T, H*D].
 
     Rows past ``meta.num_tokens`` are padding: not written to the cache, zero in the output."""
+    num_blocks, block_size, kv_heads, head_dim = k_cache.shape
     n = meta.num_tokens
     padded = q.shape[0] != n
-    k_cache[meta.slot_block, :, meta.slot_offset] = k[:n] if padded else k
-    v_cache[meta.slot_block, :, meta.slot_offset] = v[:n] if padded else v
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k[:n] if padded else k)
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v[:n] if padded else v)
     d = meta.num_decode
     if not meta.prefills and not padded:  # a pure decode step: no output to assemble from parts
-        return meta.decode_attention(q, k_cache, v_cache, meta.decode_block_ids, meta.decode_seq_lens,
-                                     scale).flatten(1)
+        return _decode_attention(q, k_cache, v_cache, meta, scale).flatten(1)
     out = torch.empty_like(q)
     if padded:
         out[n:] = 0
-    gqa = q.shape[1] != k_cache.shape[1]
+    gqa = q.shape[1] != kv_heads
     if d:
-        out[:d] = meta.decode_attention(q[:d], k_cache, v_cache, meta.decode_block_ids, meta.decode_seq_lens,
-                                        scale)
+        out[:d] = _decode_attention(q[:d], k_cache, v_cache, meta, scale)
 
     for c in meta.prefills:
         # 4-D [1, heads, len, Dh]: given 3-D tensors, CPU SDPA leaves its flash kernel for the math
@@ -176,13 +165,41 @@ def paged_attention(
             o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
             kv_len = c.kv_len or c.context_len
-            kc = _context(k_cache, c.block_ids)[:, :, :kv_len]
-            vc = _context(v_cache, c.block_ids)[:, :, :kv_len]
+            kc = _gather(k_cache, c.block_ids[None])[:, :kv_len].transpose(1, 2)
+            vc = _gather(v_cache, c.block_ids[None])[:, :kv_len].transpose(1, 2)
             o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=c.mask, scale=scale, enable_gqa=gqa)
         out[c.start : c.start + c.length] = o[0, :, : c.length].transpose(0, 1)
     return out.flatten(1)
 
 
-def _context(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """[num_blocks, KVH, BS, Dh] at n block ids -> [1, KVH, n * BS, Dh], a copy."""
-    return cache.index_select(0, block_ids).transpose(0, 1).flatten(1, 2)[None]
+def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                      scale: float) -> torch.Tensor:
+    """One query per sequence against its gathered context: [D, H, Dh] -> [D, H, Dh].
+
+    The G query heads that share a KV head are folded into G query rows, so SDPA sees
+    [D, KVH, G, Dh] queries against [D, KVH, L, Dh] keys: each KV head's keys are read once,
+    nothing is repeated per query head, softmax runs in float32 whatever the cache dtype. On
+    the CPU this runs SDPA's flash kernel, whose micro-kernels depend only on block sizes (L is
+    whole blocks), not on D: two batched matmuls instead made oneDNN build and cache two
+    kernels per (D, L), ~1.1 MB per pair in bf16, a new pair for every token of a lone
+    sequence. It is also faster here (one thread, per layer, 64 rows x 1,024 tokens: 10 vs
+    23 ms in bf16, 13 vs 76 ms in fp32). (SDPA with the H heads as heads and ``enable_gqa``
+    took ~10x longer in bf16.)
+    """
+    d, num_heads, head_dim = q.shape
+    kv_heads = k_cache.shape[2]
+    # Whole blocks: [D, max_blocks * block_size, KVH, Dh] -> [D, KVH, L, Dh]. index_select copies
+    # block rows with memcpy; advanced indexing (k_cache[ids]) goes element by element, ~3x slower.
+    keys = _gather(k_cache, meta.decode_block_ids).transpose(1, 2)
+    values = _gather(v_cache, meta.decode_block_ids).transpose(1, 2)
+    qg = q.view(d, kv_heads, num_heads // kv_heads, head_dim)
+    if meta.decode_mask is None:  # a lone sequence without a mask: keys sliced to its context
+        keys, values = keys[:, :, : meta.decode_len], values[:, :, : meta.decode_len]
+    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=meta.decode_mask, scale=scale)
+    return out.reshape(d, num_heads, head_dim)
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """[num_blocks, block_size, KVH, D] at [S, n] block ids -> [S, n * block_size, KVH, D]."""
+    s, n = block_ids.shape
+    return cache.index_select(0, block_ids.reshape(-1)).view(s, n * cache.shape[1], *cache.shape[2:])
