@@ -71,6 +71,8 @@ def write_llama_gguf(path: str, hf_model, tokenizer_source: str, qtypes: list, s
     }
     i = 0
     for name, t in sd.items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue  # llama.cpp writes no output tensor for a tied head
         if name in names:
             gname = names[name]
         else:
@@ -94,14 +96,14 @@ def write_llama_gguf(path: str, hf_model, tokenizer_source: str, qtypes: list, s
     w.close()
 
 
-def tiny_llama(hidden: int = 256, layers: int = 1, vocab: int = 49152):
+def tiny_llama(hidden: int = 256, layers: int = 1, vocab: int = 49152, tied: bool = False):
     import transformers
 
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5,
-        tie_word_embeddings=False, initializer_range=0.3,
+        tie_word_embeddings=tied, initializer_range=0.3,
     )
     return transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
 

@@ -15,7 +15,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--device", default="cpu")
     p.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
-                   help="int8: int8 weight copies for steps of a few rows (faster small-batch decode)")
+                   help="int8: int8 weight copies for steps of a few rows (faster small-batch decode); gguf: a "
+                        "GGUF file's Q4_0/Q4_1 layers computed on their 4-bit blocks (batch-1 decode ~2x faster, "
+                        "prefill ~5x slower; bf16 only)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)

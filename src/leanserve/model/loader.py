@@ -15,9 +15,11 @@ from typing import Iterator
 
 import numpy as np
 import torch
+from torch import nn
 
 from .config import ModelConfig, ModelLoadError
-from .gguf_file import GGUFFile
+from .gguf_file import GGUFFile, GGUFTensor
+from .int4 import Int4Linear, gguf_q4, packable
 from .quant import check_quantization, quantize_linears
 from .transformer import Transformer
 
@@ -81,11 +83,17 @@ def _cpu_has_bf16() -> bool:
 
 def load_model(model: str | None = None, dtype="auto", device="cpu", quantization: str = "none") -> Transformer:
     """``quantization``: ``none`` keeps the checkpoint's values in ``dtype``; ``int8`` adds int8
-    copies of the linear weights for steps of a few rows (see :mod:`.quant`)."""
+    copies of the linear weights for steps of a few rows (see :mod:`.quant`); ``gguf`` computes
+    a GGUF file's Q4_0/Q4_1 linear layers on their 4-bit blocks (see :mod:`.int4`)."""
     dtype = parse_dtype(dtype, device)
     check_quantization(quantization, dtype)
     path = resolve_model_path(model)
-    model = _load_hf(path, dtype, device) if os.path.isdir(path) else _load_gguf(path, dtype, device)
+    if os.path.isdir(path):
+        if quantization == "gguf":
+            raise ValueError(f"quantization: gguf needs a GGUF file; {path} is a Hugging Face directory")
+        model = _load_hf(path, dtype, device)
+    else:
+        model = _load_gguf(path, dtype, device, keep_q4=quantization == "gguf")
     return quantize_linears(model) if quantization == "int8" else model
 
 
@@ -93,10 +101,26 @@ def load_model(model: str | None = None, dtype="auto", device="cpu", quantizatio
 # Writing checkpoint tensors (Hugging Face names) into the fused parameters
 
 
-def _targets(model: Transformer) -> dict[str, tuple[torch.Tensor, int, int]]:
-    """Checkpoint tensor name -> (parameter, first row, end row) it fills."""
+def _linear_parts(model: Transformer) -> Iterator[tuple[nn.Module, str, list[tuple[str, int]]]]:
+    """Every linear layer as (parent module, attribute, [(checkpoint name without ``.weight``,
+    rows)]): the checkpoint tensors whose rows it holds, in order. A tied output head names the
+    embedding."""
     cfg = model.config
     q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    for i, layer in enumerate(model.layers):
+        pre = f"model.layers.{i}."
+        yield layer.self_attn, "qkv_proj", [(f"{pre}self_attn.q_proj", q), (f"{pre}self_attn.k_proj", kv),
+                                            (f"{pre}self_attn.v_proj", kv)]
+        yield layer.self_attn, "o_proj", [(f"{pre}self_attn.o_proj", cfg.hidden_size)]
+        yield layer.mlp, "gate_up_proj", [(f"{pre}mlp.gate_proj", inter), (f"{pre}mlp.up_proj", inter)]
+        yield layer.mlp, "down_proj", [(f"{pre}mlp.down_proj", cfg.hidden_size)]
+    yield model, "lm_head", [("model.embed_tokens" if cfg.tie_word_embeddings else "lm_head", cfg.vocab_size)]
+
+
+def _targets(model: Transformer) -> dict[str, tuple[torch.Tensor, int, int]]:
+    """Checkpoint tensor name -> (parameter, first row, end row) it fills. A linear layer already
+    built from the checkpoint's own blocks (:class:`Int4Linear`) takes only its bias."""
+    cfg = model.config
     out: dict[str, tuple[torch.Tensor, int, int]] = {}
 
     def whole(name, p):
@@ -104,24 +128,21 @@ def _targets(model: Transformer) -> dict[str, tuple[torch.Tensor, int, int]]:
 
     whole("model.embed_tokens.weight", model.embed_tokens.weight)
     whole("model.norm.weight", model.norm.weight)
-    if not cfg.tie_word_embeddings:
-        whole("lm_head.weight", model.lm_head.weight)
+    for parent, attr, parts in _linear_parts(model):
+        lin = getattr(parent, attr)
+        if parts[0][0] == "model.embed_tokens":
+            continue  # the tied head: filled as the embedding, or built from its blocks
+        kinds = (["weight"] if isinstance(lin, nn.Linear) else []) + (["bias"] if lin.bias is not None else [])
+        for kind in kinds:
+            p, start = getattr(lin, kind), 0
+            for name, rows in parts:
+                out[f"{name}.{kind}"] = (p, start, start + rows)
+                start += rows
     for i, layer in enumerate(model.layers):
         pre = f"model.layers.{i}."
-        attn, mlp = layer.self_attn, layer.mlp
-        kinds = ["weight"] + (["bias"] if cfg.attention_bias else [])
-        for kind in kinds:
-            p = getattr(attn.qkv_proj, kind)
-            out[f"{pre}self_attn.q_proj.{kind}"] = (p, 0, q)
-            out[f"{pre}self_attn.k_proj.{kind}"] = (p, q, q + kv)
-            out[f"{pre}self_attn.v_proj.{kind}"] = (p, q + kv, q + 2 * kv)
-        whole(f"{pre}self_attn.o_proj.weight", attn.o_proj.weight)
         if cfg.qk_norm:
-            whole(f"{pre}self_attn.q_norm.weight", attn.q_norm.weight)
-            whole(f"{pre}self_attn.k_norm.weight", attn.k_norm.weight)
-        out[f"{pre}mlp.gate_proj.weight"] = (mlp.gate_up_proj.weight, 0, inter)
-        out[f"{pre}mlp.up_proj.weight"] = (mlp.gate_up_proj.weight, inter, 2 * inter)
-        whole(f"{pre}mlp.down_proj.weight", mlp.down_proj.weight)
+            whole(f"{pre}self_attn.q_norm.weight", layer.self_attn.q_norm.weight)
+            whole(f"{pre}self_attn.k_norm.weight", layer.self_attn.k_norm.weight)
         whole(f"{pre}input_layernorm.weight", layer.input_layernorm.weight)
         whole(f"{pre}post_attention_layernorm.weight", layer.post_attention_layernorm.weight)
     return out
@@ -216,36 +237,69 @@ _GGUF_GLOBAL_NAMES = {
 _PERMUTED_QK_ARCHS = {"llama", "mistral"}
 
 
-def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
-    # llama.cpp: reshape(heads, 2, d/2).swapaxes(1, 2); this is its inverse.
-    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+def _unpermute(w, heads: int):
+    """Rows of a torch or numpy array. llama.cpp: reshape(heads, 2, d/2).swapaxes(1, 2); this is
+    its inverse."""
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _load_gguf(path: str, dtype, device) -> Transformer:
+def _load_gguf(path: str, dtype, device, keep_q4: bool = False) -> Transformer:
+    """``keep_q4``: linear layers stored as Q4_0/Q4_1 are built from those blocks as they are
+    (:func:`_int4_linears`); everything else is dequantized into ``dtype``."""
     gguf = GGUFFile(path)
     cfg = ModelConfig.from_gguf(gguf.metadata, has_output_tensor="output.weight" in gguf.tensors)
     model = Transformer(cfg, dtype, device)
     if "rope_freqs.weight" in gguf.tensors:
         model.set_rope_freq_factors(torch.from_numpy(gguf.tensors["rope_freqs.weight"].to_float32().copy()))
     permuted = cfg.architecture in _PERMUTED_QK_ARCHS
+    # Hugging Face name -> (tensor, heads whose rows llama.cpp permuted, or 0)
+    named: dict[str, tuple[GGUFTensor, int]] = {}
+    for t in gguf.tensors.values():
+        name, rest = _GGUF_GLOBAL_NAMES.get(t.name), ""
+        if name is None and t.name.startswith("blk."):
+            _, layer, rest = t.name.split(".", 2)
+            if rest in _GGUF_LAYER_NAMES:
+                name = f"model.layers.{layer}.{_GGUF_LAYER_NAMES[rest]}"
+        if name is None:
+            continue
+        heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}.get(rest.split(".")[0], 0)
+        named[name] = (t, heads if permuted else 0)
+    if keep_q4:
+        for name in _int4_linears(model, named, dtype, device):
+            del named[name]
 
     def tensors():
-        for t in gguf.tensors.values():
-            name, rest = _GGUF_GLOBAL_NAMES.get(t.name), ""
-            if name is None and t.name.startswith("blk."):
-                _, layer, rest = t.name.split(".", 2)
-                if rest in _GGUF_LAYER_NAMES:
-                    name = f"model.layers.{layer}.{_GGUF_LAYER_NAMES[rest]}"
-            if name is None:
-                continue
+        for name, (t, heads) in named.items():
             # The memory map is read-only; a float32 tensor comes back as a view of it, which
             # torch would warn about. Nothing writes to it: it is only copied into a parameter.
             w = torch.from_numpy(np.require(t.to_float32(), requirements="W"))
-            if permuted and rest.startswith("attn_q."):
-                w = _unpermute(w, cfg.num_heads)
-            elif permuted and rest.startswith("attn_k."):
-                w = _unpermute(w, cfg.num_kv_heads)
-            yield name, w
+            yield name, _unpermute(w, heads) if heads else w
 
     _fill(model, tensors(), path)
     return model
+
+
+def _int4_linears(model: Transformer, named: dict[str, tuple[GGUFTensor, int]], dtype, device) -> list[str]:
+    """Replaces every linear layer whose checkpoint weights are all Q4_0/Q4_1 blocks by an
+    :class:`Int4Linear` made from those blocks (no float copy of the weight is made; its bias,
+    if any, is filled later). Returns the names of the tensors used up; a tied head's is not,
+    the embedding still needs it. Other types keep the float path, e.g. the default model's
+    Q8_0 embedding, which is also its head (computing Q8_0 exactly with this kernel, as two
+    4-bit planes, took 1.9 vs 4.5 ms at 1 row but 42 vs 6 ms at 64: bench/results/int4.md)."""
+    used = []
+    for parent, attr, parts in _linear_parts(model):
+        names = [f"{name}.weight" for name, _ in parts]
+        if not all(n in named and packable(named[n][0].qtype, named[n][0].shape) for n in names):
+            continue
+        codes, scale, zero = [], [], []
+        for n in names:
+            t, heads = named[n]
+            for out, x in zip((codes, scale, zero), gguf_q4(t.raw, t.qtype)):
+                out.append(_unpermute(x, heads) if heads else x)
+        codes, scale, zero = (torch.from_numpy(np.concatenate(x)).to(device) for x in (codes, scale, zero))
+        lin = getattr(parent, attr)
+        bias = None if lin.bias is None else torch.empty_like(lin.bias)
+        setattr(parent, attr, Int4Linear(codes, scale, zero, dtype, bias=bias))
+        if names != ["model.embed_tokens.weight"]:
+            used += names
+    return used

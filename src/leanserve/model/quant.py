@@ -44,15 +44,18 @@ class SmallBatchInt8Linear(nn.Module):
         return f"{self.weight.shape[1]} -> {self.weight.shape[0]}, int8 at <= {self.max_rows} rows"
 
 
-QUANTIZATIONS = ("none", "int8")
+QUANTIZATIONS = ("none", "int8", "gguf")
 
 
 def check_quantization(quantization: str, dtype: torch.dtype) -> None:
+    """``int8`` and ``gguf`` (:mod:`.int4`) need a bfloat16 model: their kernels are vectorised
+    for bf16 activations (with float32 ones, int8 ran ~10x and int4 5-24x slower than a float32
+    GEMM here, ``bench/results/int4.md``)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization: unsupported {quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
-    if quantization == "int8" and dtype != torch.bfloat16:
-        raise ValueError(f"quantization: int8 needs a bfloat16 model (dtype is {dtype}); its kernel is slow "
-                         "with float32 activations")
+    if quantization in ("int8", "gguf") and dtype != torch.bfloat16:
+        raise ValueError(f"quantization: {quantization} needs a bfloat16 model (dtype is {dtype}); its kernel is "
+                         "slow with float32 activations")
 
 
 def quantize_linears(model: nn.Module) -> nn.Module:
