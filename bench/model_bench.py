@@ -97,7 +97,7 @@ def engine_decode(model, batch: int, tokenizer) -> dict:
     for i in range(batch):
         core.add_request(i, rng.integers(100, 40000, 32).astype(np.int32), p)
     while core.has_work:
-        core.step(lambda _: None)
+        core.step()
     rows = core.stats.window()
     rows = rows[rows[:, FIELDS.index("num_generation_requests")] == batch][3:]  # decode only, past warm-up
     host = rows[:, FIELDS.index("host_step_ms")]
@@ -110,7 +110,7 @@ def engine_decode(model, batch: int, tokenizer) -> dict:
 
 def run_one(variant: str) -> dict:
     """``variant``: a dtype, optionally ``+int8`` (``--quantization int8``)."""
-    from leanserve.model import default_model_path, load_model
+    from leanserve.model import ModelSpec, default_model_path, load_model
     from leanserve.tokenizer import Tokenizer
 
     dtype, _, quantization = variant.partition("+")
@@ -118,7 +118,7 @@ def run_one(variant: str) -> dict:
     torch.set_num_threads(os.cpu_count() or 1)
     before = rss_mb()
     t = time.perf_counter()
-    model = load_model(None, dtype, quantization=quantization)
+    model = load_model(ModelSpec.resolve(None, dtype, quantization=quantization))
     load_s = time.perf_counter() - t
     res = {"dtype": variant, "load_s": load_s, "rss_mb": rss_mb(), "rss_before_mb": before}
     tdtype = model.norm.weight.dtype

@@ -10,7 +10,7 @@ import gguf
 import pytest
 import torch
 
-from leanserve.model import ModelLoadError, load_model
+from leanserve.model import ModelLoadError, ModelSpec, load_model
 from leanserve.tokenizer import Tokenizer
 
 from .gguf_util import tiny_llama, write_llama_gguf
@@ -36,7 +36,7 @@ def test_every_quant_type_matches_transformers(mixed_gguf):
     logging.disable_progress_bar()
     d, f = os.path.split(mixed_gguf)
     ref = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
-    ours = load_model(mixed_gguf, "float32")
+    ours = load_model(ModelSpec.resolve(mixed_gguf, "float32"))
     ids = list(range(500, 540))
     with torch.no_grad():
         ref_logits = ref(torch.tensor([ids])).logits[0]
@@ -62,7 +62,7 @@ def one_line(err: Exception) -> str:
 
 def test_missing_path():
     with pytest.raises(ModelLoadError) as e:
-        load_model("/nonexistent/model.gguf")
+        load_model(ModelSpec.resolve("/nonexistent/model.gguf"))
     assert "does not exist" in one_line(e.value)
 
 
@@ -70,7 +70,7 @@ def test_not_a_model_file(tmp_path):
     p = tmp_path / "notes.txt"
     p.write_text("hello")
     with pytest.raises(ModelLoadError) as e:
-        load_model(str(p))
+        load_model(ModelSpec.resolve(str(p)))
     assert "neither a GGUF file" in one_line(e.value)
 
 
@@ -79,7 +79,7 @@ def test_truncated_gguf(tmp_path, mixed_gguf):
     with open(mixed_gguf, "rb") as src:
         p.write_bytes(src.read(os.path.getsize(mixed_gguf) // 2))
     with pytest.raises(ModelLoadError) as e:
-        load_model(str(p))
+        load_model(ModelSpec.resolve(str(p)))
     assert "truncated or invalid GGUF" in one_line(e.value)
 
 
@@ -95,7 +95,7 @@ def test_unknown_architecture(tmp_path, tiny_model_dir):
     cfg["model_type"] = "gpt_neox"
     json.dump(cfg, open(cfg_path, "w"))
     with pytest.raises(ModelLoadError) as e:
-        load_model(path)
+        load_model(ModelSpec.resolve(path))
     assert "unsupported architecture 'gpt_neox'" in one_line(e.value)
 
 
@@ -112,7 +112,7 @@ def test_missing_tensor(tmp_path, tiny_model_dir):
     path = _copy(tiny_model_dir("llama"), tmp_path / "m")
     _rewrite_safetensors(path, lambda t: t.pop("model.layers.1.mlp.down_proj.weight"))
     with pytest.raises(ModelLoadError) as e:
-        load_model(path)
+        load_model(ModelSpec.resolve(path))
     assert "missing tensor model.layers.1.mlp.down_proj.weight" in one_line(e.value)
 
 
@@ -124,7 +124,7 @@ def test_wrong_shape(tmp_path, tiny_model_dir):
 
     _rewrite_safetensors(path, shrink)
     with pytest.raises(ModelLoadError) as e:
-        load_model(path)
+        load_model(ModelSpec.resolve(path))
     assert "model.layers.0.self_attn.o_proj.weight has shape (64, 10), expected (64, 64)" in one_line(e.value)
 
 
@@ -134,10 +134,10 @@ def test_truncated_safetensors(tmp_path, tiny_model_dir):
     data = open(f, "rb").read()
     open(f, "wb").write(data[: len(data) // 2])
     with pytest.raises(ModelLoadError) as e:
-        load_model(path)
+        load_model(ModelSpec.resolve(path))
     assert "unreadable safetensors" in one_line(e.value)
 
 
 def test_bad_dtype():
     with pytest.raises(ValueError, match="dtype"):
-        load_model(None, dtype="int3")
+        load_model(ModelSpec.resolve(None, dtype="int3"))

@@ -12,7 +12,7 @@ import torch
 from leanserve import LLM, SamplingParams
 from leanserve.engine.request import FinishReason
 from leanserve.engine.stats import FIELDS
-from leanserve.model import load_model
+from leanserve.model import ModelSpec, load_model
 
 from .test_model import dense_logits
 
@@ -194,7 +194,7 @@ def test_enqueue_holds_the_prompt_without_copying(tiny):
     from leanserve.engine.config import EngineConfig
     from leanserve.engine.core import EngineCore
 
-    core = EngineCore(EngineConfig(model=tiny, dtype="float32", kv_cache_memory=16 << 20))
+    core = EngineCore.from_config(EngineConfig(model=tiny, dtype="float32", kv_cache_memory=16 << 20).resolve())
     prompt = prompts_of([40000])[0]
     core.max_model_len = 50000  # the tiny model's context is shorter; only the enqueue path runs here
     core.add_request(7, prompt, SamplingParams(max_tokens=1))
@@ -220,7 +220,7 @@ def test_stop_token_ids_max_tokens_and_min_tokens(tiny):
 
 def test_logprobs_and_prompt_logprobs_match_dense_forward(tiny):
     prompt = prompts_of([20], seed=10)[0]
-    model = load_model(tiny, "float32")
+    model = load_model(ModelSpec.resolve(tiny, "float32"))
     ref = torch.log_softmax(dense_logits(model, prompt.tolist()), dim=-1)
     with make_llm(tiny) as llm:
         out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=3, logprobs=3, prompt_logprobs=2))[0]

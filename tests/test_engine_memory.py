@@ -85,8 +85,9 @@ def test_bucket_is_small_close_and_monotonic():
 
 
 def test_bf16_step_shapes_are_bounded(tiny):
-    core = EngineCore(EngineConfig(model=tiny, dtype="bfloat16", kv_cache_memory=32 << 20, max_num_seqs=32,
-                                   max_num_batched_tokens=512))
+    config = EngineConfig(model=tiny, dtype="bfloat16", kv_cache_memory=32 << 20, max_num_seqs=32,
+                          max_num_batched_tokens=512)
+    core = EngineCore.from_config(config.resolve())
     assert core.runner.pad_shapes
     log = ShapeLog()
     with log:
@@ -108,8 +109,8 @@ def test_padding_leaves_outputs_unchanged(tiny):
     """fp32 (no padding by default) with padding forced on: the same greedy tokens and the same
     prompt logprobs, over chunked prefill, prefix hits, n > 1 and decode."""
     def run(pad: bool):
-        core = EngineCore(EngineConfig(model=tiny, dtype="float32", kv_cache_memory=32 << 20,
-                                       max_num_batched_tokens=128))
+        config = EngineConfig(model=tiny, dtype="float32", kv_cache_memory=32 << 20, max_num_batched_tokens=128)
+        core = EngineCore.from_config(config.resolve())
         core.runner.pad_shapes = pad
         tokens: dict[int, list[int]] = {}
         plps: dict[int, list[np.ndarray]] = {}

@@ -111,7 +111,7 @@ def test_failed_requests_do_not_leak_admission_capacity(server):
 
 def test_submit_registers_nothing_when_the_message_cannot_be_sent():
     """The same class of leak, one level down: whatever ``submit`` raises, nothing stays held."""
-    client = AsyncEngineClient(EngineConfig(), [])
+    client = AsyncEngineClient(EngineConfig().resolve(), [])
     with pytest.raises(UnicodeEncodeError):
         client.submit(np.array([1, 2], np.int32), SamplingParams(stop=["\udfff"]))
     assert client.num_pending == 0
@@ -311,8 +311,8 @@ def test_a_dead_output_reader_fails_everything_at_once(tiny_chat_model):
     import zmq
 
     async def main():
-        client = AsyncEngineClient(EngineConfig(model=tiny_chat_model, kv_cache_memory=16 << 20, dtype="float32"),
-                                   [2])
+        config = EngineConfig(model=tiny_chat_model, kv_cache_memory=16 << 20, dtype="float32")
+        client = AsyncEngineClient(config.resolve(), [2])
         await client.start()
         _, q = client.submit(np.array([5, 6, 7], np.int32), SamplingParams(max_tokens=2000, ignore_eos=True))
         sock = zmq.Context.instance().socket(zmq.PUSH)

@@ -11,7 +11,7 @@ from torch import nn
 
 from leanserve import LLM, SamplingParams
 from leanserve.engine.config import EngineConfig
-from leanserve.model import int4, load_model
+from leanserve.model import ModelSpec, int4, load_model
 from leanserve.model.int4 import Int4Linear, gguf_q4
 
 from .gguf_util import tiny_llama, write_llama_gguf
@@ -82,19 +82,19 @@ def test_tiny_q4_model_computes_on_its_blocks(tied, tiny_q4, tmp_path, default_m
     are as close to the float32 model's as bf16 with dequantized weights gets (relative error
     0.04-0.05 on this random model; a wrong layout or zero point gives ~1)."""
     path = write_tiny_q4(str(tmp_path / "tied.gguf"), default_model, tied=True) if tied else tiny_q4
-    ours = load_model(path, "bfloat16", quantization="gguf")
+    ours = load_model(ModelSpec.resolve(path, "bfloat16", quantization="gguf"))
     assert ours.config.tie_word_embeddings == tied
     linears = [m for m in ours.modules() if isinstance(m, (nn.Linear, Int4Linear))]
     assert linears and all(isinstance(m, Int4Linear) for m in linears)
     ids = list(range(300, 340))
-    want = dense_logits(load_model(path, "float32", quantization="none"), ids)
-    bf16 = dense_logits(load_model(path, "bfloat16", quantization="none"), ids)
+    want = dense_logits(load_model(ModelSpec.resolve(path, "float32", quantization="none")), ids)
+    bf16 = dense_logits(load_model(ModelSpec.resolve(path, "bfloat16", quantization="none")), ids)
     err = ((dense_logits(ours, ids) - want).norm() / want.norm()).item()
     assert err < 0.1 and err < 2 * ((bf16 - want).norm() / want.norm()).item(), err
 
 
 def test_float_weights_stay_the_default(tiny_q4):
-    assert isinstance(load_model(tiny_q4, "bfloat16").layers[0].mlp.down_proj, nn.Linear)
+    assert isinstance(load_model(ModelSpec.resolve(tiny_q4, "bfloat16")).layers[0].mlp.down_proj, nn.Linear)
 
 
 def test_greedy_is_the_same_alone_and_in_a_batch_of_16(tiny_q4):
@@ -108,11 +108,11 @@ def test_greedy_is_the_same_alone_and_in_a_batch_of_16(tiny_q4):
 
 def test_bad_combinations_name_the_field(tiny_q4, tiny_model_dir):
     with pytest.raises(ValueError, match="quantization: gguf needs a bfloat16 model"):
-        load_model(tiny_q4, "float32", quantization="gguf")
+        load_model(ModelSpec.resolve(tiny_q4, "float32", quantization="gguf"))
     with pytest.raises(ValueError, match="quantization: gguf needs a bfloat16 model"):
-        EngineConfig(model=tiny_q4, dtype="float32", quantization="gguf").validate()
+        EngineConfig(model=tiny_q4, dtype="float32", quantization="gguf").resolve()
     with pytest.raises(ValueError, match="quantization: gguf needs a GGUF file"):
-        load_model(tiny_model_dir("llama"), "bfloat16", quantization="gguf")
+        load_model(ModelSpec.resolve(tiny_model_dir("llama"), "bfloat16", quantization="gguf"))
 
 
 TEXTS = [
@@ -130,7 +130,7 @@ def test_default_model_stays_close_to_float32(default_model, default_tokenizer):
     tests/test_model.py checks against transformers), teacher-forced along three texts: top-1
     agreement and logit gaps as with dequantized bf16 weights. Measured: 0.97 / 1.00 / 0.96, max
     |diff| 1.78 (bf16 weights: 1.00 / 1.00 / 0.96, 2.51)."""
-    ours, ref = load_model(default_model, "bfloat16", quantization="gguf"), load_model(default_model, "float32")
+    ours, ref = load_model(ModelSpec.resolve(default_model, "bfloat16", quantization="gguf")), load_model(ModelSpec.resolve(default_model, "float32"))
     assert isinstance(ours.layers[0].mlp.gate_up_proj, Int4Linear)
     for text in TEXTS:
         ids = default_tokenizer.encode(text).tolist()

@@ -10,7 +10,7 @@ import torch
 
 from leanserve import LLM, SamplingParams
 from leanserve.engine.config import EngineConfig
-from leanserve.model import load_model
+from leanserve.model import ModelSpec, load_model
 from leanserve.model.attention import AttentionMetadata
 from leanserve.model.quant import SmallBatchInt8Linear
 
@@ -54,7 +54,7 @@ def smollm_reference(default_model):
 
 
 def test_default_model_logits_match_transformers(default_model, default_tokenizer, smollm_reference):
-    ours = load_model(default_model, "float32")
+    ours = load_model(ModelSpec.resolve(default_model, "float32"))
     for text in PROMPTS:
         ids = default_tokenizer.encode(text).tolist()
         with torch.no_grad():
@@ -76,7 +76,7 @@ def test_tiny_architectures_match_transformers(arch, tiny_model_dir):
 
     path = tiny_model_dir(arch)
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    ours = load_model(path, "float32")
+    ours = load_model(ModelSpec.resolve(path, "float32"))
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 49000, size=n).tolist() for n in (5, 17, 40)]
     for ids in prompts:
@@ -104,7 +104,7 @@ def test_config_variants_match_transformers(arch, overrides, tiny_model_dir):
 
     path = tiny_model_dir(arch, **overrides)
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    ours = load_model(path, "float32")
+    ours = load_model(ModelSpec.resolve(path, "float32"))
     ids = list(range(100, 300, 3))  # long enough for the llama3 scaling to matter
     with torch.no_grad():
         ref_logits = ref(torch.tensor([ids])).logits[0]
@@ -119,7 +119,7 @@ def test_sharded_safetensors_load(tiny_model_dir, tmp_path):
     sharded = str(tmp_path / "sharded")
     ref.save_pretrained(sharded, max_shard_size="2MB")
     assert os.path.exists(os.path.join(sharded, "model.safetensors.index.json"))
-    a, b = load_model(path, "float32"), load_model(sharded, "float32")
+    a, b = load_model(ModelSpec.resolve(path, "float32")), load_model(ModelSpec.resolve(sharded, "float32"))
     for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
         assert torch.equal(p, q), n
 
@@ -139,7 +139,7 @@ def test_int8_weights_stay_close(default_model, default_tokenizer, smollm_refere
     positions on average (>= 80 % per prompt) and logits stay within 3; generation through the
     engine starts with the reference's tokens. Measured: 1.00 / 0.85 / 0.97 agreement, max |diff|
     1.96; plain bf16 gives 0.97 / 0.94 / 0.97 (the code prompt has near-ties)."""
-    ours = load_model(default_model, "bfloat16", quantization="int8")
+    ours = load_model(ModelSpec.resolve(default_model, "bfloat16", quantization="int8"))
     for m in ours.modules():
         if isinstance(m, SmallBatchInt8Linear):
             m.max_rows = 1 << 30
@@ -163,8 +163,8 @@ def test_int8_weights_stay_close(default_model, default_tokenizer, smollm_refere
 
 def test_unknown_quantization_is_rejected(default_model):
     with pytest.raises(ValueError, match="quantization"):
-        load_model(default_model, "bfloat16", quantization="int3")
+        load_model(ModelSpec.resolve(default_model, "bfloat16", quantization="int3"))
     with pytest.raises(ValueError, match="quantization: int8 needs a bfloat16 model"):
-        load_model(default_model, "float32", quantization="int8")
+        load_model(ModelSpec.resolve(default_model, "float32", quantization="int8"))
     with pytest.raises(ValueError, match="quantization"):  # what `leanserve serve` checks before start-up
-        EngineConfig(dtype="float32", quantization="int8").validate()
+        EngineConfig(dtype="float32", quantization="int8").resolve()

@@ -92,9 +92,8 @@ def cmd_chat(a) -> None:
 def cmd_serve(a) -> None:
     from .server.app import ServerConfig, serve
 
-    engine = _engine_config(a)
-    engine.validate()  # here, so a bad flag is one line, not an engine process dying at start-up
-    serve(ServerConfig(engine=engine, host=a.host, port=a.port, served_model_name=a.served_model_name,
+    # build_app resolves the flags before any process starts: a bad one is a line from main().
+    serve(ServerConfig(engine=_engine_config(a), host=a.host, port=a.port, served_model_name=a.served_model_name,
                        api_key=a.api_key, max_waiting_requests=a.max_waiting_requests,
                        max_request_body_bytes=a.max_request_body_bytes, shutdown_timeout=a.shutdown_timeout,
                        watchdog_timeout=a.watchdog_timeout))

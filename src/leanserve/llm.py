@@ -17,7 +17,6 @@ from .engine.config import EngineConfig
 from .engine.core import EngineCore, prompt_from_token_ids
 from .engine.output_processor import CompletionOutput, EngineRequestError, RequestOutputState
 from .engine.params import SamplingParams
-from .model.loader import resolve_model_path
 from .tokenizer import Tokenizer
 
 
@@ -42,10 +41,9 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_args):
         """``model``: a GGUF file or HF directory (default: SmolLM2-135M-Instruct); ``engine_args``:
         any EngineConfig field (dtype, max_num_seqs, kv_cache_memory, ...)."""
-        path = resolve_model_path(model)
-        self.tokenizer = Tokenizer.from_pretrained(path)
-        config = EngineConfig(model=path, **engine_args)
-        self.client = InprocClient(lambda: EngineCore(config, eos_token_ids=self.tokenizer.eos_token_ids))
+        config = EngineConfig(model=model, **engine_args).resolve()
+        self.tokenizer = Tokenizer.from_pretrained(config.model.path)
+        self.client = InprocClient(lambda: EngineCore.from_config(config, self.tokenizer.eos_token_ids))
         self.engine = self.client.core
         # A script that never calls close(): stop the engine thread before the interpreter tears
         # down, or C++ kills the process mid-forward ("terminate called without an active exception").

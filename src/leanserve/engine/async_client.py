@@ -28,7 +28,7 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from .config import EngineConfig
+from .config import ResolvedConfig
 from .messages import (STATS_PERIOD_S, Abort, Add, EngineStats, FromEngine, Ready, Rejected, RequestIds, Step,
                        TokenEvent, demux)
 from .params import SamplingParams
@@ -53,7 +53,7 @@ class EngineOverloaded(RuntimeError):
 
 
 class AsyncEngineClient:
-    def __init__(self, config: EngineConfig, eos_token_ids: list[int], on_stats=None, max_pending: int = 1024,
+    def __init__(self, config: ResolvedConfig, eos_token_ids: list[int], on_stats=None, max_pending: int = 1024,
                  watchdog_timeout: float = 60.0):
         self.config = config
         self.eos_token_ids = eos_token_ids

@@ -9,8 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from ..model.config import ModelConfig
-from ..model.loader import parse_dtype
-from ..model.quant import check_quantization
+from ..model.loader import ModelSpec
 from .batch_state import blocks_needed
 from .kv_cache import KVCache
 
@@ -47,7 +46,22 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory: must be > 0 bytes, got {self.kv_cache_memory}")
         if not 0 < self.kv_cache_fraction <= 0.9:
             raise ValueError(f"kv_cache_fraction: must be in (0, 0.9], got {self.kv_cache_fraction}")
-        check_quantization(self.quantization, parse_dtype(self.dtype, self.device))
+
+    def resolve(self) -> ResolvedConfig:
+        """Checks every flag and resolves the model's, once; raises ValueError naming the flag."""
+        self.validate()
+        return ResolvedConfig(self, ModelSpec.resolve(self.model, self.dtype, self.device, self.quantization))
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """What an engine is built from: the flags, checked, and the model they name, resolved
+    (:class:`ModelSpec`). Made once where the flags are parsed and sent as is to the engine
+    process, which builds model, KV cache, batch and scheduler from it, top to bottom; nothing
+    downstream re-reads ``model``, ``dtype`` or ``quantization`` from the flags."""
+
+    engine: EngineConfig
+    model: ModelSpec
 
 
 def plan_kv_cache(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> tuple[int, int]:

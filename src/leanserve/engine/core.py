@@ -29,7 +29,7 @@ import torch
 from ..model.loader import load_model
 from ..model.transformer import Transformer
 from .batch_state import BatchState
-from .config import EngineConfig, plan_kv_cache
+from .config import EngineConfig, ResolvedConfig, plan_kv_cache
 from .kv_cache import KVCache
 from .model_runner import ModelOutput, ModelRunner, build_model_input
 from .messages import Abort, Add, StepOutput
@@ -79,13 +79,13 @@ def prompt_from_token_ids(ids, vocab_size: int) -> np.ndarray:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, model: Transformer | None = None, eos_token_ids=None):
+    def __init__(self, config: EngineConfig, model: Transformer, eos_token_ids=None):
+        """Builds KV cache, batch and scheduler around a loaded ``model``; :meth:`from_config` is
+        the start-up path (tests and benchmarks also pass models built in memory)."""
         config.validate()
         if config.threads:
             torch.set_num_threads(config.threads)
         self.config = config
-        if model is None:
-            model = load_model(config.model, config.dtype, config.device, config.quantization)
         self.model = model
         mcfg = self.model.config
         self.vocab_size = mcfg.vocab_size
@@ -102,6 +102,10 @@ class EngineCore:
         self.requests: dict[int, Request] = {}  # by id, for aborts
         self._inbox: deque[tuple[Add, np.ndarray] | Abort] = deque()
         self.wakeup = threading.Event()
+
+    @classmethod
+    def from_config(cls, config: ResolvedConfig, eos_token_ids=None) -> EngineCore:
+        return cls(config.engine, load_model(config.model), eos_token_ids)
 
     # ------------------------------------------------------------------ boundary (any thread)
     def add_request(self, request_id: int, prompt: np.ndarray, params: SamplingParams,

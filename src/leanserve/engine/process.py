@@ -28,17 +28,17 @@ import msgspec
 import numpy as np
 import zmq
 
-from .config import EngineConfig
+from .config import ResolvedConfig
 from .core import EngineCore, EngineLoop
 from .messages import STATS_PERIOD_S, Abort, Add, EngineStats, FromEngine, Ready, Rejected, Step, ToEngine
 
 log = logging.getLogger("leanserve.engine")
 
 
-def run_engine_process(config: EngineConfig, eos_token_ids: list[int], in_addr: str, out_addr: str,
+def run_engine_process(config: ResolvedConfig, eos_token_ids: list[int], in_addr: str, out_addr: str,
                        parent_pid: int, watchdog_timeout: float) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
-    core = EngineCore(config, eos_token_ids=eos_token_ids)
+    core = EngineCore.from_config(config, eos_token_ids)
     outbox: queue.SimpleQueue = queue.SimpleQueue()
     ctx = zmq.Context()
     threading.Thread(target=_input_thread, args=(ctx, in_addr, core, outbox), daemon=True,

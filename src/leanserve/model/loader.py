@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -81,20 +82,41 @@ def _cpu_has_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def load_model(model: str | None = None, dtype="auto", device="cpu", quantization: str = "none") -> Transformer:
-    """``quantization``: ``none`` keeps the checkpoint's values in ``dtype``; ``int8`` adds int8
-    copies of the linear weights for steps of a few rows (see :mod:`.quant`); ``gguf`` computes
-    a GGUF file's Q4_0/Q4_1 linear layers on their 4-bit blocks (see :mod:`.int4`)."""
-    dtype = parse_dtype(dtype, device)
-    check_quantization(quantization, dtype)
-    path = resolve_model_path(model)
-    if os.path.isdir(path):
-        if quantization == "gguf":
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model as start-up resolves it, once, before anything is built: an existing path and its
+    format, the torch dtype ``auto`` stands for on this device, and a quantization that suits
+    both. Every check on these flags lives in :meth:`resolve`, so a bad one fails in the process
+    that parsed it (CLI, ``LLM``), with a ValueError naming the flag, before an engine starts."""
+
+    path: str
+    is_gguf: bool
+    dtype: torch.dtype
+    device: str
+    quantization: str
+
+    @classmethod
+    def resolve(cls, model: str | None = None, dtype: str | torch.dtype = "auto", device: str = "cpu",
+                quantization: str = "none") -> ModelSpec:
+        path = resolve_model_path(model)
+        is_gguf = not os.path.isdir(path)
+        dtype = parse_dtype(dtype, device)
+        check_quantization(quantization, dtype)
+        if quantization == "gguf" and not is_gguf:
             raise ValueError(f"quantization: gguf needs a GGUF file; {path} is a Hugging Face directory")
-        model = _load_hf(path, dtype, device)
+        return cls(path, is_gguf, dtype, device, quantization)
+
+
+def load_model(spec: ModelSpec) -> Transformer:
+    """Builds the model ``spec`` names. ``quantization``: ``none`` keeps the checkpoint's values in
+    ``dtype``; ``int8`` adds int8 copies of the linear weights for steps of a few rows (see
+    :mod:`.quant`); ``gguf`` computes a GGUF file's Q4_0/Q4_1 linear layers on their 4-bit blocks
+    (see :mod:`.int4`)."""
+    if spec.is_gguf:
+        model = _load_gguf(spec.path, spec.dtype, spec.device, keep_q4=spec.quantization == "gguf")
     else:
-        model = _load_gguf(path, dtype, device, keep_q4=quantization == "gguf")
-    return quantize_linears(model) if quantization == "int8" else model
+        model = _load_hf(spec.path, spec.dtype, spec.device)
+    return quantize_linears(model) if spec.quantization == "int8" else model
 
 
 # --------------------------------------------------------------------------------------------

@@ -24,7 +24,6 @@ from starlette.responses import Response
 from .. import __version__
 from ..engine.async_client import AsyncEngineClient
 from ..engine.config import EngineConfig
-from ..model.loader import resolve_model_path
 from ..tokenizer import Tokenizer
 from .metrics import ServerMetrics
 from .middleware import Gatekeeper
@@ -51,12 +50,12 @@ class ServerConfig:
 
 
 def build_app(cfg: ServerConfig) -> FastAPI:
-    path = resolve_model_path(cfg.engine.model)
-    cfg.engine.model = path
+    resolved = cfg.engine.resolve()
+    path = resolved.model.path
     tokenizer = Tokenizer.from_pretrained(path)
     model_name = cfg.served_model_name or _default_name(path)
     metrics = ServerMetrics(model_name)
-    engine = AsyncEngineClient(cfg.engine, list(tokenizer.eos_token_ids), on_stats=metrics.on_engine_stats,
+    engine = AsyncEngineClient(resolved, list(tokenizer.eos_token_ids), on_stats=metrics.on_engine_stats,
                                max_pending=cfg.max_waiting_requests, watchdog_timeout=cfg.watchdog_timeout)
     tokenizer.max_token_chars  # computed now (~0.1 s), not by the first request
 
