@@ -46,14 +46,21 @@ class LiveServer:
             return f.read()
 
     def engine_pid(self) -> int:
-        """The engine-core child process."""
+        """The engine-core child process of a server with one engine."""
+        (pid,) = self.engine_pids()
+        return pid
+
+    def engine_pids(self) -> list[int]:
+        """The engine-core child processes (one per data-parallel engine)."""
         out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(self.proc.pid)], capture_output=True, text=True)
-        pids = [int(p) for p in out.stdout.split()]
-        for pid in pids:
+        engines = []
+        for pid in map(int, out.stdout.split()):
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 if b"spawn_main" in f.read():  # not the resource tracker, also a child
-                    return pid
-        raise RuntimeError(f"no engine process among children {pids}")
+                    engines.append(pid)
+        if not engines:
+            raise RuntimeError(f"no engine process among the children of {self.proc.pid}")
+        return engines
 
     def stop(self, sig=signal.SIGTERM, timeout: float = 20.0) -> int:
         if self.proc.poll() is None:

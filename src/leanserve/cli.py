@@ -96,7 +96,7 @@ def cmd_serve(a) -> None:
     serve(ServerConfig(engine=_engine_config(a), host=a.host, port=a.port, served_model_name=a.served_model_name,
                        api_key=a.api_key, max_waiting_requests=a.max_waiting_requests,
                        max_request_body_bytes=a.max_request_body_bytes, shutdown_timeout=a.shutdown_timeout,
-                       watchdog_timeout=a.watchdog_timeout))
+                       watchdog_timeout=a.watchdog_timeout, data_parallel_size=a.data_parallel_size))
 
 
 def cmd_router(a) -> None:
@@ -145,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--watchdog-timeout", type=float, default=60.0,
                    help="seconds without engine progress (one iteration, or no heartbeat) before /health "
                         "answers 503 and the engine logs its loop's stack")
+    s.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine-core processes, each with its own model copy and KV cache; requests go to the "
+                        "least loaded (on CPU each gets cores / N threads)")
     s.set_defaults(func=cmd_serve)
 
     r = sub.add_parser("router", help="OpenAI-compatible proxy: load-balances replicas (--backend) or runs "

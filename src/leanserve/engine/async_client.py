@@ -54,8 +54,11 @@ class EngineOverloaded(RuntimeError):
 
 class AsyncEngineClient:
     def __init__(self, config: ResolvedConfig, eos_token_ids: list[int], on_stats=None, max_pending: int = 1024,
-                 watchdog_timeout: float = 60.0):
+                 watchdog_timeout: float = 60.0, engine_index: int = 0, id_base: int = 0):
+        """``engine_index`` and ``id_base``: this engine's place among data-parallel ones (see
+        :mod:`.dp_client`); its request ids start at ``id_base``."""
         self.config = config
+        self.engine_index = engine_index
         self.eos_token_ids = eos_token_ids
         self.on_stats = on_stats  # callback(EngineStats)
         self.max_pending = max_pending  # sequences in flight (running + queued) admitted at once
@@ -66,7 +69,7 @@ class AsyncEngineClient:
         self.ready: Ready | None = None
         self.latest_stats: EngineStats | None = None
         self._last_heard = time.monotonic()
-        self._ids = RequestIds()
+        self._ids = RequestIds(id_base)
         self._queues: dict[int, tuple[asyncio.Queue, int]] = {}  # engine id -> (queue, sample index)
         self._tasks: list[asyncio.Task] = []
         self._proc: multiprocessing.Process | None = None
@@ -88,7 +91,7 @@ class AsyncEngineClient:
         self._from_engine.bind(out_addr)
         spawn = multiprocessing.get_context("spawn")
         self._proc = spawn.Process(
-            target=run_engine_process, name="leanserve-engine", daemon=True,
+            target=run_engine_process, name=f"leanserve-engine-{self.engine_index}", daemon=True,
             args=(self.config, list(self.eos_token_ids), in_addr, out_addr, os.getpid(), self.watchdog_timeout),
         )
         self._proc.start()

@@ -139,8 +139,8 @@ class RequestIds:
     """Engine request ids: a request of n samples takes n consecutive ids, ``base .. base + n - 1``
     (the engine derives the samples' ids from ``Add.request_id`` the same way)."""
 
-    def __init__(self):
-        self._next = 0
+    def __init__(self, start: int = 0):
+        self._next = start
 
     def take(self, n: int) -> int:
         base, self._next = self._next, self._next + n

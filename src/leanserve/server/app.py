@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
 from .. import __version__
-from ..engine.async_client import AsyncEngineClient
+from ..engine.dp_client import DataParallelClient
 from ..engine.config import EngineConfig
 from ..tokenizer import Tokenizer
 from .metrics import ServerMetrics
@@ -47,6 +47,7 @@ class ServerConfig:
     max_request_body_bytes: int = 4 << 20
     shutdown_timeout: float = 5.0  # seconds to let in-flight requests finish on SIGTERM
     watchdog_timeout: float = 60.0  # seconds without engine progress before /health turns 503
+    data_parallel_size: int = 1  # engine-core processes, each a model copy (see engine/dp_client.py)
 
 
 def build_app(cfg: ServerConfig) -> FastAPI:
@@ -54,9 +55,10 @@ def build_app(cfg: ServerConfig) -> FastAPI:
     path = resolved.model.path
     tokenizer = Tokenizer.from_pretrained(path)
     model_name = cfg.served_model_name or _default_name(path)
-    metrics = ServerMetrics(model_name)
-    engine = AsyncEngineClient(resolved, list(tokenizer.eos_token_ids), on_stats=metrics.on_engine_stats,
-                               max_pending=cfg.max_waiting_requests, watchdog_timeout=cfg.watchdog_timeout)
+    metrics = ServerMetrics(model_name, cfg.data_parallel_size)
+    engine = DataParallelClient(resolved, list(tokenizer.eos_token_ids), cfg.data_parallel_size,
+                                on_stats=metrics.on_engine_stats, max_pending=cfg.max_waiting_requests,
+                                watchdog_timeout=cfg.watchdog_timeout)
     tokenizer.max_token_chars  # computed now (~0.1 s), not by the first request
 
     @contextlib.asynccontextmanager
@@ -153,13 +155,11 @@ def build_app(cfg: ServerConfig) -> FastAPI:
 
     @app.get("/stats")
     async def iteration_stats(request: Request, since: int | None = None):
-        """Engine counters and gauges, the iteration count, and with ``since=<count>`` the
-        p50/p95/p99 of every iteration field recorded after that count (benchmarks read their
-        own window this way)."""
+        """Engine counters and gauges (summed over data-parallel engines, each engine's own under
+        ``engines``), the iteration count, and with ``since=<count>`` the p50/p95/p99 of every
+        iteration field recorded after that count (benchmarks read their own window this way)."""
         s = state(request)
-        latest = s.engine.latest_stats
-        out = {f: getattr(latest, f) for f in latest.__struct_fields__ if f not in ("iterations", "queue_times")} \
-            if latest is not None else {}
+        out = s.metrics.engine_totals()
         its = s.metrics.iterations
         out["iterations_total"] = its.count
         if since is not None:

@@ -1,9 +1,10 @@
 """Prometheus metrics, vLLM's names under a ``leanserve:`` prefix, each with a model_name label.
 
 Request latencies (TTFT, inter-token, end-to-end) are observed here in the API process, where
-tokens reach clients. Engine figures arrive in the engine's stats snapshots: gauges and
-counters are read from the latest snapshot at scrape time; queue times and the per-iteration
-host step / forward times are observed into histograms as snapshots arrive.
+tokens reach clients. Engine figures arrive in the engines' stats snapshots and carry an
+``engine`` label (vLLM's, one value per data-parallel engine): gauges and counters are read from
+each engine's latest snapshot at scrape time; queue times and the per-iteration host step /
+forward times are observed into histograms as snapshots arrive.
 One registry per server (no global state).
 """
 
@@ -24,27 +25,34 @@ _CONTEXT, _GENERATION = FIELDS.index("num_context_tokens"), FIELDS.index("num_ge
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, num_engines: int = 1):
         self.registry = CollectorRegistry()
         self.model_name = model_name
-        self.latest: EngineStats | None = None
-        # The engine's iteration rows, mirrored here so /stats can summarise any window of them.
+        self.latest: list[EngineStats | None] = [None] * num_engines  # by engine index
+        # Every engine's iteration rows, mirrored here so /stats can summarise any window of them.
         self.iterations = IterationStats(capacity=1 << 16)
-        labels = ["model_name"]
+        engines = [str(k) for k in range(num_engines)]
 
         def hist(name, doc, buckets):
-            return Histogram(f"leanserve:{name}", doc, labels, buckets=buckets, registry=self.registry).labels(model_name)
+            return Histogram(f"leanserve:{name}", doc, ["model_name"], buckets=buckets,
+                             registry=self.registry).labels(model_name)
+
+        def engine_hist(name, doc, buckets):  # one child per engine, by index
+            h = Histogram(f"leanserve:{name}", doc, ["model_name", "engine"], buckets=buckets, registry=self.registry)
+            return [h.labels(model_name, k) for k in engines]
 
         self.ttft = hist("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
         self.itl = hist("inter_token_latency_seconds", "Time between consecutive output tokens.", _LATENCY_BUCKETS)
         self.e2e = hist("e2e_request_latency_seconds", "End-to-end request latency.", _LATENCY_BUCKETS)
-        self.queue = hist("request_queue_time_seconds", "Time from arrival to first scheduling.", _LATENCY_BUCKETS)
-        self.host_step = hist("iteration_host_step_time_seconds",
-                              "Host wall time of one executor iteration (top to bottom of the loop body).",
-                              _STEP_BUCKETS)
-        self.forward = hist("iteration_forward_time_seconds", "Model forward time of one iteration.", _STEP_BUCKETS)
-        self.iteration_tokens = hist("iteration_tokens_total", "Tokens computed per iteration.",
-                                     (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192))
+        self.queue = engine_hist("request_queue_time_seconds", "Time from arrival to first scheduling.",
+                                 _LATENCY_BUCKETS)
+        self.host_step = engine_hist("iteration_host_step_time_seconds",
+                                     "Host wall time of one executor iteration (top to bottom of the loop body).",
+                                     _STEP_BUCKETS)
+        self.forward = engine_hist("iteration_forward_time_seconds", "Model forward time of one iteration.",
+                                   _STEP_BUCKETS)
+        self.iteration_tokens = engine_hist("iteration_tokens_total", "Tokens computed per iteration.",
+                                            (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192))
         self._success = Counter("leanserve:request_success_total", "Finished requests by finish reason.",
                                 ["model_name", "finished_reason"], registry=self.registry)
         self.registry.register(_EngineCollector(self))
@@ -52,17 +60,32 @@ class ServerMetrics:
     def request_finished(self, reason: str) -> None:
         self._success.labels(self.model_name, reason).inc()
 
-    def on_engine_stats(self, s: EngineStats) -> None:
-        self.latest = s
+    def on_engine_stats(self, engine: int, s: EngineStats) -> None:
+        self.latest[engine] = s
+        queue, host_step, forward, tokens = (self.queue[engine], self.host_step[engine], self.forward[engine],
+                                             self.iteration_tokens[engine])
         for q in s.queue_times:
-            self.queue.observe(q)
+            queue.observe(q)
         rows = np.frombuffer(s.iterations, np.float64).reshape(-1, len(FIELDS))
         for row in rows:
             self.iterations.append(row)
         for host, fwd, ctx, gen in rows[:, [_HOST, _FORWARD, _CONTEXT, _GENERATION]].tolist():
-            self.host_step.observe(host / 1e3)
-            self.forward.observe(fwd / 1e3)
-            self.iteration_tokens.observe(ctx + gen)
+            host_step.observe(host / 1e3)
+            forward.observe(fwd / 1e3)
+            tokens.observe(ctx + gen)
+
+    def engine_totals(self) -> dict:
+        """The engines' latest snapshots summed field by field (the longest running iteration for
+        ``current_step_s``), and each engine's own under ``engines``; {} before the first."""
+        snaps = [None if s is None else
+                 {f: getattr(s, f) for f in s.__struct_fields__ if f not in ("iterations", "queue_times")}
+                 for s in self.latest]
+        live = [s for s in snaps if s is not None]
+        if not live:
+            return {}
+        out = {f: (max if f == "current_step_s" else sum)(s[f] for s in live) for f in live[0]}
+        out["engines"] = snaps
+        return out
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -73,26 +96,27 @@ class _EngineCollector:
         self.m = metrics
 
     def collect(self):
-        s, name = self.m.latest, self.m.model_name
-        if s is None:
+        name = self.m.model_name
+        engines = [(str(k), s) for k, s in enumerate(self.m.latest) if s is not None]
+        if not engines:
             return
 
-        def gauge(metric, doc, value):
-            g = GaugeMetricFamily(f"leanserve:{metric}", doc, labels=["model_name"])
-            g.add_metric([name], value)
-            return g
+        def family(kind, metric, doc, value_of):
+            m = kind(f"leanserve:{metric}", doc, labels=["model_name", "engine"])
+            for k, s in engines:
+                m.add_metric([name, k], value_of(s))
+            return m
 
-        def counter(metric, doc, value):
-            c = CounterMetricFamily(f"leanserve:{metric}", doc, labels=["model_name"])
-            c.add_metric([name], value)
-            return c
-
-        yield gauge("num_requests_running", "Requests in the running batch.", s.num_running)
-        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
-        yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).",
-                    s.kv_blocks_used / max(1, s.kv_blocks_total))
-        yield counter("prompt_tokens", "Prompt tokens computed (prefix-cache hits excluded).", s.prompt_tokens_total)
-        yield counter("generation_tokens", "Generated tokens.", s.generation_tokens_total)
-        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_queries_total)
-        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_hits_total)
-        yield counter("num_preemptions", "Requests preempted (blocks freed, recomputed later).", s.preemptions_total)
+        G, C = GaugeMetricFamily, CounterMetricFamily
+        yield family(G, "num_requests_running", "Requests in the running batch.", lambda s: s.num_running)
+        yield family(G, "num_requests_waiting", "Requests waiting to be scheduled.", lambda s: s.num_waiting)
+        yield family(G, "kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).",
+                     lambda s: s.kv_blocks_used / max(1, s.kv_blocks_total))
+        yield family(C, "prompt_tokens", "Prompt tokens computed (prefix-cache hits excluded).",
+                     lambda s: s.prompt_tokens_total)
+        yield family(C, "generation_tokens", "Generated tokens.", lambda s: s.generation_tokens_total)
+        yield family(C, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                     lambda s: s.prefix_queries_total)
+        yield family(C, "prefix_cache_hits", "Prompt tokens found in the prefix cache.", lambda s: s.prefix_hits_total)
+        yield family(C, "num_preemptions", "Requests preempted (blocks freed, recomputed later).",
+                     lambda s: s.preemptions_total)

@@ -24,7 +24,8 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from ..engine.async_client import AsyncEngineClient, EngineDeadError, EngineOverloaded
+from ..engine.async_client import EngineDeadError, EngineOverloaded
+from ..engine.dp_client import DataParallelClient
 from ..engine.core import prompt_from_token_ids, validate_request
 from ..engine.output_processor import CompletionOutput, EngineRequestError, RequestOutputState, SampleDelta
 from ..engine.params import SamplingParams
@@ -38,7 +39,7 @@ log = logging.getLogger("leanserve.server")
 
 @dataclass
 class ServerState:
-    engine: AsyncEngineClient
+    engine: DataParallelClient
     tokenizer: Tokenizer
     metrics: ServerMetrics
     model_name: str
