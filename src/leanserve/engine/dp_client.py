@@ -108,9 +108,9 @@ class DataParallelClient:
 
 
 def _split_threads(config: ResolvedConfig, size: int) -> ResolvedConfig:
-    """N engines on one CPU share its cores: without a ``threads`` flag each gets cores / N
-    intra-op threads, as more OpenMP threads than cores make every barrier a sleep (see
-    EngineLoop) and two engines with all cores each ran slower than one."""
+    """N engines on one CPU share its cores: without a ``threads`` setting each gets cores / N
+    intra-op threads, since more OpenMP threads than cores turn every barrier into a sleep in
+    the kernel (a batch-1 forward ran ~2x slower so, see EngineLoop)."""
     if size == 1 or config.engine.threads or not config.model.device.startswith("cpu"):
         return config
     threads = max(1, (os.cpu_count() or 1) // size)
