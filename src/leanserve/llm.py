@@ -17,6 +17,7 @@ from .engine.config import EngineConfig
 from .engine.core import EngineCore, prompt_from_token_ids
 from .engine.output_processor import CompletionOutput, EngineRequestError, RequestOutputState
 from .engine.params import SamplingParams
+from .engine.structured import grammar_error
 from .tokenizer import Tokenizer
 
 
@@ -85,6 +86,8 @@ class LLM:
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError("sampling_params: one SamplingParams per prompt, or a single one for all")
+        for p in params_list:
+            check_structured_outputs(p)
         submitted = []
         try:
             for prompt, p in zip(prompts, params_list):
@@ -114,6 +117,7 @@ class LLM:
         params = params or SamplingParams()
         if params.n != 1:
             raise ValueError("n: stream() takes n=1")
+        check_structured_outputs(params)
         _, ids = self._to_ids(prompt)
         (stream,) = self.client.submit(ids, params)
         out = RequestOutputState(self.tokenizer, params)
@@ -147,6 +151,14 @@ class LLM:
                     self.client.abort([stream.request_id])
                 outputs[i].add(d)
         return RequestOutput(text, ids, outputs, out.num_cached_tokens, out.prompt_logprobs)
+
+
+def check_structured_outputs(params: SamplingParams) -> None:
+    """An invalid constraint is a ValueError here, in the caller's thread, not an engine error."""
+    if params.structured_outputs is not None:
+        error = grammar_error(params.structured_outputs)
+        if error:
+            raise ValueError(f"structured_outputs: {error}")
 
 
 def _progress(total: int, use_tqdm: bool | None):

@@ -19,6 +19,8 @@ KV block ids           none (freed)                ``block_table[slot, :num_bloc
 full-block hash keys   ``Request.block_keys``      ``Request.block_keys``
 random generator       ``Request.generator``       ``Request.generator`` (read via
                                                    ``requests[slot]`` when sampling)
+grammar matcher        ``Request.grammar``         ``Request.grammar`` (same), and
+                                                   ``constrained[slot]``
 sampling, stop rules   ``Request.params``          per-slot arrays, written at admission
 =====================  ==========================  =======================================
 
@@ -78,6 +80,7 @@ class BatchState:
         self.special = np.zeros(s, np.bool_)
         self.num_logprobs = np.full(s, -1, np.int64)
         self.seeded = np.zeros(s, np.bool_)
+        self.constrained = np.zeros(s, np.bool_)  # has a grammar matcher (structured outputs)
         self._free_slots = list(range(s - 1, -1, -1))
 
     @property
@@ -124,6 +127,7 @@ class BatchState:
         self.special[slot] = p.uses_penalties or p.min_tokens > 0 or p.logprobs is not None
         self.num_logprobs[slot] = -1 if p.logprobs is None else p.logprobs
         self.seeded[slot] = req.generator is not None
+        self.constrained[slot] = req.grammar is not None
         return slot
 
     def remove(self, slot: int, keep_output: bool = False) -> list[int]:

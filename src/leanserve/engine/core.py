@@ -21,6 +21,7 @@ import threading
 import time
 import traceback
 from collections import deque
+from concurrent.futures import Future
 from typing import Callable
 
 import numpy as np
@@ -28,15 +29,18 @@ import torch
 
 from ..model.loader import load_model
 from ..model.transformer import Transformer
+from ..tokenizer import Tokenizer
 from .batch_state import BatchState
 from .config import EngineConfig, ResolvedConfig, plan_kv_cache
 from .kv_cache import KVCache
 from .model_runner import ModelOutput, ModelRunner, build_model_input
 from .messages import Abort, Add, StepOutput
 from .params import SamplingParams
-from .request import Request
+from .request import Request, Status
 from .scheduler import ScheduledBatch, Scheduler
 from .stats import IterationStats, PhaseClock
+from .structured import GrammarBitmask, GrammarCompiler
+from .structured import backend as structured
 
 log = logging.getLogger("leanserve.engine")
 
@@ -79,14 +83,17 @@ def prompt_from_token_ids(ids, vocab_size: int) -> np.ndarray:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, model: Transformer, eos_token_ids=None):
+    def __init__(self, config: EngineConfig, model: Transformer, eos_token_ids=None, tokenizer_path: str | None = None):
         """Builds KV cache, batch and scheduler around a loaded ``model``; :meth:`from_config` is
-        the start-up path (tests and benchmarks also pass models built in memory)."""
+        the start-up path (tests and benchmarks also pass models built in memory).
+        ``tokenizer_path``: the checkpoint whose tokenizer structured outputs compile grammars
+        against (without it, such requests end with an error)."""
         config.validate()
         if config.threads:
             torch.set_num_threads(config.threads)
         self.config = config
         self.model = model
+        self.tokenizer_path = tokenizer_path
         mcfg = self.model.config
         self.vocab_size = mcfg.vocab_size
         self.eos_token_ids = sorted(set(mcfg.eos_token_ids) | set(eos_token_ids or ()))
@@ -97,15 +104,29 @@ class EngineCore:
         self.batch = BatchState(config.max_num_seqs, self.max_model_len, config.block_size, self.eos_token_ids)
         self.scheduler = Scheduler(self.batch, self.kv.pool, config.max_num_batched_tokens,
                                    config.enable_prefix_caching)
-        self.runner = ModelRunner(self.model, self.kv, config.device, config.seed)
+        self.runner = ModelRunner(self.model, self.kv, config.device, config.seed,
+                                  grammar_bitmask=GrammarBitmask(config.max_num_seqs, self.vocab_size,
+                                                                 torch.get_num_threads()))
+        self.grammars = GrammarCompiler(self._grammar_tokenizer)
         self.stats = IterationStats(config.stats_capacity)
         self.requests: dict[int, Request] = {}  # by id, for aborts
-        self._inbox: deque[tuple[Add, np.ndarray] | Abort] = deque()
+        self._inbox: deque[tuple[Add, np.ndarray, Future | None] | Abort] = deque()
+        # Admitted requests whose grammar is still compiling: they join the scheduler when it is
+        # ready; requests that arrived after them do not wait.
+        self._compiling: list[tuple[list[Request], Future]] = []
+        self._rejected: dict[int, str] = {}  # request id -> why its grammar could not be compiled
         self.wakeup = threading.Event()
 
     @classmethod
     def from_config(cls, config: ResolvedConfig, eos_token_ids=None) -> EngineCore:
-        return cls(config.engine, load_model(config.model), eos_token_ids)
+        return cls(config.engine, load_model(config.model), eos_token_ids, config.model.path)
+
+    def _grammar_tokenizer(self):
+        """The grammar library's view of the vocabulary (built on the compiler's thread)."""
+        if self.tokenizer_path is None:
+            raise ValueError("structured outputs need the model's tokenizer; this engine was built without its path")
+        tokenizer = Tokenizer.from_pretrained(self.tokenizer_path)
+        return structured.load_tokenizer(tokenizer.backend.to_str(), self.vocab_size, self.eos_token_ids)
 
     # ------------------------------------------------------------------ boundary (any thread)
     def add_request(self, request_id: int, prompt: np.ndarray, params: SamplingParams,
@@ -118,7 +139,11 @@ class EngineCore:
         if not isinstance(prompt, np.ndarray) or prompt.dtype != np.int32 or prompt.ndim != 1:
             raise ValueError("prompt: must be a 1-D int32 numpy array of token ids")
         validate_request(len(prompt), params, self.max_model_len, self.vocab_size, self.config.max_logprobs)
-        self._inbox.append((Add(request_id, params, arrival_time or time.monotonic()), prompt))
+        grammar = None
+        if params.structured_outputs is not None:  # compiling starts now, on the compiler's thread
+            grammar = self.grammars.compile(params.structured_outputs, params.n)
+            grammar.add_done_callback(lambda _: self.wakeup.set())
+        self._inbox.append((Add(request_id, params, arrival_time or time.monotonic()), prompt, grammar))
         self.wakeup.set()
 
     def abort(self, request_ids) -> None:
@@ -132,7 +157,8 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        return bool(self._inbox) or bool(self.scheduler.running) or bool(self.scheduler.waiting)
+        return (bool(self._inbox) or bool(self.scheduler.running) or bool(self.scheduler.waiting)
+                or bool(self._compiling))
 
     # ------------------------------------------------------------------ the loop body
     def step(self) -> StepOutput | None:
@@ -140,21 +166,23 @@ class EngineCore:
         was nothing to run or report. A failing iteration fails its own requests, not the loop."""
         clock = PhaseClock()
         aborted = self._fetch()
+        rejected, self._rejected = self._rejected, {}
         clock.lap("fetch_ms")
         sched = self.scheduler.schedule()
         clock.lap("schedule_ms")
         if sched.empty:
-            return StepOutput.of_aborts(aborted) if aborted else None
+            return StepOutput.of_aborts(aborted, rejected) if aborted or rejected else None
         result = None
         try:
             out = self._execute(sched, clock)
-            result = self.scheduler.update_from_output(sched, out.sampled.token_ids.numpy().astype(np.int32))
-            step_out = StepOutput.of_step(result, out.sampled, out.prompt_logprobs, aborted)
+            result = self.scheduler.update_from_output(sched, out.sampled.token_ids.numpy().astype(np.int32), clock)
+            step_out = StepOutput.of_step(result, out.sampled, out.prompt_logprobs, aborted, rejected)
             self._forget(result.finished)
         except Exception:  # noqa: BLE001 - one bad iteration must not kill the loop
             log.error("iteration failed; failing its requests:\n%s", traceback.format_exc())
             error = traceback.format_exc(limit=1).strip().splitlines()[-1]
             step_out = self._fail(sched, error, aborted, result.finished if result else [])
+            step_out.errors.update(rejected)
         clock.lap("output_ms")
         self._record(clock, sched)
         return step_out
@@ -163,8 +191,9 @@ class EngineCore:
         inp = build_model_input(self.batch, sched)
         clock.lap("prepare_ms")
         out = self.runner.execute(inp)
-        clock.lap()  # forward and sampling, which the runner times itself
+        clock.lap()  # forward, grammar masks and sampling, which the runner times itself
         clock.ms["forward_ms"], clock.ms["sample_ms"] = out.forward_ms, out.sample_ms
+        clock.ms["grammar_ms"] += out.grammar_ms
         return out
 
     def _record(self, clock: PhaseClock, sched: ScheduledBatch) -> None:
@@ -178,6 +207,8 @@ class EngineCore:
     def _fetch(self) -> list[int]:
         """Takes aborts, and at most ``max_new_requests_per_step`` new requests, from the inbox;
         returns the ids it aborted."""
+        if self._compiling:
+            self._start_compiled()
         aborted = []
         added = 0
         inbox = self._inbox
@@ -198,9 +229,10 @@ class EngineCore:
             self._admit(*item)
         return aborted
 
-    def _admit(self, add: Add, prompt: np.ndarray) -> None:
-        """Queues the ``n`` samples of a request; samples after the first share its prompt blocks."""
-        params, first = add.params, None
+    def _admit(self, add: Add, prompt: np.ndarray, grammar: Future | None) -> None:
+        """Queues the ``n`` samples of a request; samples after the first share its prompt blocks.
+        A request whose grammar is still compiling waits aside, holding nothing."""
+        params, first, reqs = add.params, None, []
         for i in range(params.n):
             generator = None
             if params.seed is not None:
@@ -209,7 +241,40 @@ class EngineCore:
                           arrival_time=add.arrival_time)
             first = first or req
             self.requests[req.request_id] = req
-            self.scheduler.add(req)
+            reqs.append(req)
+        if grammar is None:
+            for req in reqs:
+                self.scheduler.add(req)
+        elif grammar.done():
+            self._start_constrained(reqs, grammar)
+        else:
+            self._compiling.append((reqs, grammar))
+
+    def _start_compiled(self) -> None:
+        waiting = []
+        for reqs, grammar in self._compiling:
+            if grammar.done():
+                self._start_constrained(reqs, grammar)
+            else:
+                waiting.append((reqs, grammar))
+        self._compiling = waiting
+
+    def _start_constrained(self, reqs: list[Request], grammar: Future) -> None:
+        """Samples (not aborted meanwhile) join the scheduler with their matchers, or end with
+        the compiler's error."""
+        live = [r for r in reqs if r.status != Status.FINISHED]
+        try:
+            matchers = grammar.result()
+        except Exception as e:  # noqa: BLE001 - the API validates first; this is the backstop
+            for req in live:
+                req.status = Status.FINISHED
+                self._rejected[req.request_id] = f"structured_outputs: {e}"
+            self._forget(live)
+            return
+        for req, matcher in zip(reqs, matchers):
+            if req.status != Status.FINISHED:
+                req.grammar = matcher
+                self.scheduler.add(req)
 
     def _forget(self, reqs: list[Request]) -> None:
         """Drops finished requests from the id table. Tolerant: a failing iteration (``_fail``)

@@ -35,7 +35,8 @@ class StepOutput(msgspec.Struct, array_like=True, gc=False):
     Row i: request ``request_ids[i]`` got token ``token_ids[i]`` (-1: no token, a failed step)
     and finished with ``finish_reasons[i]`` (0: still running). Logprob arrays are present only
     when some row asked for them (rows that did not are NaN / -1). ``aborted`` lists the requests
-    the iteration aborted (no token, no row).
+    the iteration aborted (no token, no row). ``errors`` says why a request ended with ERROR,
+    whether it has a row or not (a grammar that failed to compile: no row).
     """
 
     request_ids: bytes  # int64
@@ -52,11 +53,13 @@ class StepOutput(msgspec.Struct, array_like=True, gc=False):
 
     @classmethod
     def of_step(cls, result: "StepResult", sampled: "SamplerOutput",
-                prompt_logprobs: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]], aborted: list[int]):
+                prompt_logprobs: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]], aborted: list[int],
+                rejected: dict[int, str] | None = None):
         """Packs a step: the scheduler's result rows, the sampler's logprobs (if any row asked),
-        prompt logprobs by request id, and the ids aborted this iteration."""
+        prompt logprobs by request id, the ids aborted this iteration, and requests that ended
+        before they ran (``rejected``: id -> error; they have no row)."""
         out = cls(result.request_ids.tobytes(), result.token_ids.tobytes(), result.finish_reasons.tobytes(),
-                  result.num_cached_tokens.tobytes())
+                  result.num_cached_tokens.tobytes(), errors={**result.errors, **(rejected or {})})
         if aborted:
             out.aborted = np.asarray(aborted, np.int64).tobytes()
         if sampled.logprobs is not None:
@@ -79,8 +82,8 @@ class StepOutput(msgspec.Struct, array_like=True, gc=False):
                    errors={rid: error for rid in request_ids}, aborted=np.asarray(aborted, np.int64).tobytes())
 
     @classmethod
-    def of_aborts(cls, aborted: list[int]):
-        return cls(b"", b"", b"", b"", aborted=np.asarray(aborted, np.int64).tobytes())
+    def of_aborts(cls, aborted: list[int], rejected: dict[int, str] | None = None):
+        return cls(b"", b"", b"", b"", errors=rejected or {}, aborted=np.asarray(aborted, np.int64).tobytes())
 
     def arrays(self):
         return (
@@ -126,6 +129,11 @@ def demux(out: StepOutput) -> Iterator[tuple[int, TokenEvent]]:
         yield rid, ev
     for rid in np.frombuffer(out.aborted, np.int64).tolist():
         yield rid, TokenEvent(-1, FinishReason.ABORT)
+    if out.errors:
+        rows = set(ids.tolist())
+        for rid, error in out.errors.items():
+            if rid not in rows:
+                yield rid, TokenEvent(-1, FinishReason.ERROR, error=error)
 
 
 def _prompt_logprobs(lp: bytes, ids: bytes, tlp: bytes, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -22,6 +22,7 @@ from .batch_state import BatchState, blocks_needed
 from .kv_cache import KVCache
 from .sampler import Sampler, SamplerOutput, SamplingMetadata
 from .scheduler import ScheduledBatch
+from .structured import GrammarBitmask
 
 
 @dataclass
@@ -36,6 +37,10 @@ class ModelInput:
     sampling: SamplingMetadata
     # prompt logprobs: (request id, first row, targets) -> logprob of each next prompt token
     prompt_logprob_rows: list[tuple[int, int, np.ndarray, int]] = field(default_factory=list)
+    # Structured outputs: the sampling rows (indices into logits_indices) under a grammar, and
+    # their matchers; the runner masks those rows' logits between the forward and the sampler.
+    grammar_rows: np.ndarray | None = None
+    grammars: list = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -47,6 +52,7 @@ class ModelOutput:
     sampled: SamplerOutput
     forward_ms: float
     sample_ms: float
+    grammar_ms: float = 0.0
     prompt_logprobs: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)
 
 
@@ -91,6 +97,8 @@ def build_model_input(b: BatchState, sched: ScheduledBatch) -> ModelInput:
     logits_indices = np.arange(num_d)
     if sample_rows:
         logits_indices = np.concatenate((logits_indices, sample_rows))
+    constrained = b.constrained[sched.sample_slots]
+    grammar_rows = np.flatnonzero(constrained) if constrained.any() else None
     return ModelInput(
         input_ids=input_ids,
         positions=positions,
@@ -101,6 +109,8 @@ def build_model_input(b: BatchState, sched: ScheduledBatch) -> ModelInput:
         logits_indices=logits_indices,
         sampling=_sampling_metadata(b, sched.sample_slots),
         prompt_logprob_rows=prompt_lp_rows,
+        grammar_rows=grammar_rows,
+        grammars=[] if grammar_rows is None else [b.requests[s].grammar for s in sched.sample_slots[grammar_rows]],
     )
 
 
@@ -150,8 +160,9 @@ def default_pad_shapes(model: Transformer, device: torch.device) -> bool:
 
 class ModelRunner:
     def __init__(self, model: Transformer, kv_cache: KVCache, device="cpu", seed: int | None = None,
-                 pad_shapes: bool | None = None):
+                 pad_shapes: bool | None = None, grammar_bitmask: GrammarBitmask | None = None):
         self.model = model
+        self.grammar_bitmask = grammar_bitmask
         self.kv = kv_cache
         self.device = torch.device(device)
         self.sampler = Sampler(self.device, seed)
@@ -206,12 +217,18 @@ class ModelRunner:
         logits = self.model(self._t(input_ids), self._t(positions), self.kv.tensor, meta, rows_t)
         if len(logits) != num_logits:
             logits = logits[:num_logits]
-        t1 = time.perf_counter()
+        t1 = t2 = time.perf_counter()
         n_sample = len(inp.logits_indices)
+        if inp.grammars:
+            # After the forward is launched: on an asynchronous device the masks are filled
+            # while it runs (the next token's mask depends only on tokens already sampled).
+            mask = self.grammar_bitmask.fill(inp.grammars)
+            self.grammar_bitmask.apply(logits[:n_sample], inp.grammar_rows, mask)
+            t2 = time.perf_counter()
         prompt_lps = self._prompt_logprobs(logits[n_sample:], inp.prompt_logprob_rows) if extra else {}
         sampled = self.sampler(logits[:n_sample], inp.sampling)
-        t2 = time.perf_counter()
-        return ModelOutput(sampled, (t1 - t0) * 1e3, (t2 - t1) * 1e3, prompt_lps)
+        t3 = time.perf_counter()
+        return ModelOutput(sampled, (t1 - t0) * 1e3, (t3 - t2) * 1e3, (t2 - t1) * 1e3, prompt_lps)
 
     @staticmethod
     def _prompt_logprobs(logits, chunks):

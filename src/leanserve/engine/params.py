@@ -10,6 +10,27 @@ from __future__ import annotations
 import msgspec
 
 
+class StructuredOutputsParams(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True):
+    """vLLM's ``structured_outputs``: exactly one constraint (``json`` schema, ``regex``,
+    ``choice``, ``grammar`` (Lark or GBNF) or ``json_object``) plus options. It crosses to the
+    engine as given; the engine compiles it (``engine/structured``), the API process validates it
+    first (``structured.grammar_error``)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+    @property
+    def kinds(self) -> list[str]:
+        """The constraint fields set (exactly one in a valid spec)."""
+        return [k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k) not in (None, False)]
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True):
     n: int = 1
     max_tokens: int = 16
@@ -29,6 +50,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, array_like=True, omit_default
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
 
     @property
     def uses_penalties(self) -> bool:

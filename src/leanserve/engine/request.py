@@ -39,12 +39,12 @@ class Request:
     __slots__ = (
         "request_id", "prompt", "params", "num_prompt_tokens", "status", "batch", "slot", "block_keys",
         "num_cached_tokens", "saved_output", "prefix_parent", "arrival_time", "first_scheduled_time",
-        "num_preemptions", "generator",
+        "num_preemptions", "generator", "grammar",
     )
 
     def __init__(self, request_id: int, prompt: np.ndarray, params: SamplingParams,
                  generator: torch.Generator | None = None, prefix_parent: "Request | None" = None,
-                 arrival_time: float | None = None):
+                 arrival_time: float | None = None, grammar=None):
         self.request_id = request_id
         self.prompt = prompt
         self.params = params
@@ -63,6 +63,9 @@ class Request:
         # Seeded sampling: the request's own random stream. It lives here, not in a batch slot,
         # because it must continue where it was after a preemption gives the slot away.
         self.generator = generator
+        # Structured outputs: the grammar matcher, advanced by every output token. Like the
+        # generator it survives a preemption: output tokens are kept, so its state stays valid.
+        self.grammar = grammar
 
     # Read through the batch while running; a request out of the batch holds no blocks and has
     # no KV computed (preemption recomputes).

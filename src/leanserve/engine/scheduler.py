@@ -32,6 +32,8 @@ import numpy as np
 from .batch_state import BatchState, blocks_needed
 from .kv_cache import BlockPool, block_key
 from .request import FinishReason, Request, Status
+from .stats import PhaseClock
+from .structured import backend as structured
 
 # Queue times awaiting the stats thread (drained every 0.5 s): bounded if nobody drains them.
 MAX_PENDING_QUEUE_TIMES = 65536
@@ -77,6 +79,7 @@ class StepResult:
     finish_reasons: np.ndarray  # int8 FinishReason, 0 while running
     num_cached_tokens: np.ndarray  # int32, prompt tokens served by the prefix cache
     finished: list[Request]
+    errors: dict[int, str] = field(default_factory=dict)  # request id -> why it ended with ERROR
 
 
 class Scheduler:
@@ -299,10 +302,12 @@ class Scheduler:
         return keys[j]
 
     # ------------------------------------------------------------------ after the forward
-    def update_from_output(self, sched: ScheduledBatch, token_ids: np.ndarray) -> StepResult:
+    def update_from_output(self, sched: ScheduledBatch, token_ids: np.ndarray,
+                           clock: PhaseClock | None = None) -> StepResult:
         """Applies a step's sampled tokens (int32, one per ``sched.sample_slots``): computed
         counts advance, newly full blocks enter the prefix cache, tokens are appended, stops are
-        checked (vectorised) and finished requests give back their slot and blocks."""
+        checked (vectorised), grammar matchers advance (timed into ``clock`` as grammar_ms) and
+        finished requests give back their slot and blocks."""
         b = self.batch
         self._advance_computed(sched)
         ss = sched.sample_slots
@@ -314,10 +319,33 @@ class Scheduler:
         reasons = (b.num_tokens[ss] >= b.stop_len[ss]).astype(np.int8) * np.int8(FinishReason.LENGTH)
         reasons[(b.stop_ids[ss] == token_ids[:, None]).any(axis=1)] = FinishReason.STOP
         result = StepResult(b.request_id[ss], token_ids, reasons, b.num_cached[ss], [])  # fancy indexing copies
+        constrained = b.constrained[ss]
+        if constrained.any():
+            if clock is not None:
+                clock.lap("output_ms")
+            self._advance_grammars(ss, token_ids, np.flatnonzero(constrained & (reasons != FinishReason.STOP)), result)
+            if clock is not None:
+                clock.lap("grammar_ms")
         done = reasons != 0
         if done.any():
             result.finished = self.finish_slots(ss[done])
         return result
+
+    def _advance_grammars(self, slots: np.ndarray, token_ids: np.ndarray, rows: np.ndarray,
+                          result: StepResult) -> None:
+        """Constrained rows not ended by a stop token: the matcher takes the token. A grammar
+        that is complete ends its request ("stop": nothing but EOS could follow, so the step
+        that would sample it is saved); a token the grammar refuses (possible only when a
+        row's mask allowed nothing, e.g. min_tokens banning the EOS a finished grammar needs)
+        ends it with an error."""
+        reasons = result.finish_reasons
+        for i in rows.tolist():
+            matcher = self.batch.requests[slots[i]].grammar
+            if not structured.accept(matcher, int(token_ids[i])):
+                reasons[i] = FinishReason.ERROR
+                result.errors[int(result.request_ids[i])] = "the grammar could not accept the sampled token"
+            elif structured.is_terminated(matcher):
+                reasons[i] = FinishReason.STOP
 
     def _advance_computed(self, sched: ScheduledBatch) -> None:
         b, bs = self.batch, self.block_size

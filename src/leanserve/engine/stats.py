@@ -22,6 +22,7 @@ FIELDS = (
     "prepare_ms",  # building model inputs
     "sample_ms",
     "output_ms",  # stop checks, state updates, emitting the step's outputs
+    "grammar_ms",  # structured outputs: filling and applying token bitmasks, advancing matchers
     "num_context_tokens",  # prefill tokens in the batch
     "num_generation_requests",  # decode rows in the batch
     "num_running",
@@ -31,7 +32,7 @@ FIELDS = (
 )
 
 
-PHASES = ("fetch_ms", "schedule_ms", "prepare_ms", "forward_ms", "sample_ms", "output_ms")
+PHASES = ("fetch_ms", "schedule_ms", "prepare_ms", "forward_ms", "grammar_ms", "sample_ms", "output_ms")
 
 
 class PhaseClock:

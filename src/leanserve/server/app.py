@@ -30,6 +30,7 @@ from .middleware import Gatekeeper
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, InvalidString,
                        TokenizeRequest, error_response)
 from .serving import ServerState, chat_prompt_ids, create_chat_completion, create_completion, prompt_ids
+from .tool_calls import TOOL_CALL_PARSERS
 
 log = logging.getLogger("leanserve.server")
 
@@ -48,9 +49,19 @@ class ServerConfig:
     shutdown_timeout: float = 5.0  # seconds to let in-flight requests finish on SIGTERM
     watchdog_timeout: float = 60.0  # seconds without engine progress before /health turns 503
     data_parallel_size: int = 1  # engine-core processes, each a model copy (see engine/dp_client.py)
+    # vLLM's flags: tool_choice "auto" parses the model's own tool-call format with this parser.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+
+    def validate(self) -> None:
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice: needs --tool-call-parser")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"--tool-call-parser: one of {', '.join(TOOL_CALL_PARSERS)}, got {self.tool_call_parser!r}")
 
 
 def build_app(cfg: ServerConfig) -> FastAPI:
+    cfg.validate()
     resolved = cfg.engine.resolve()
     path = resolved.model.path
     tokenizer = Tokenizer.from_pretrained(path)
@@ -68,6 +79,7 @@ def build_app(cfg: ServerConfig) -> FastAPI:
         app.state.server = ServerState(
             engine=engine, tokenizer=tokenizer, metrics=metrics, model_name=model_name, model_path=path,
             max_model_len=ready.max_model_len, vocab_size=ready.vocab_size, max_logprobs=cfg.engine.max_logprobs,
+            tool_call_parser=cfg.tool_call_parser if cfg.enable_auto_tool_choice else None,
         )
         log.info("serving %s (%s) on http://%s:%d, %d KV blocks", model_name, path, cfg.host, cfg.port,
                  ready.num_kv_blocks)

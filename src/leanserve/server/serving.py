@@ -33,6 +33,8 @@ from ..tokenizer import Tokenizer
 from .metrics import ServerMetrics
 from .protocol import (APIError, ChatCompletionRequest, ChatMessage, CompletionRequest, bad_request_from,
                        error_body, error_type)
+from .structured_outputs import constraint, resolve_tool_choice
+from .tool_calls import make_parser, parse_all
 
 log = logging.getLogger("leanserve.server")
 
@@ -47,6 +49,7 @@ class ServerState:
     max_model_len: int
     vocab_size: int
     max_logprobs: int
+    tool_call_parser: str | None = None  # set with --enable-auto-tool-choice: tool_choice "auto" works
 
 
 def usage_json(gens: list[Generation]) -> dict:
@@ -205,6 +208,12 @@ def _token_str(tok: Tokenizer, token_id: int) -> str:
     return tok.decode([token_id], skip_special_tokens=False)
 
 
+def _finite(logprob: float) -> float:
+    """A token a grammar masked has logprob -inf, which JSON cannot hold (msgspec would write
+    null); vLLM's -9999.0 stands in."""
+    return max(logprob, -9999.0)
+
+
 def _json(obj) -> bytes:
     return msgspec.json.encode(obj)
 
@@ -316,12 +325,14 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
     req.check_common()
     if req.suffix:
         raise APIError(400, "suffix: not supported", "suffix")
+    spec = constraint(req)
     prompts = await _completion_prompts(state, req.prompt)
     per_prompt = []
     for _text, ids in prompts:
         max_tokens = req.max_tokens if req.max_tokens is not None else state.max_model_len - len(ids)
         params = req.sampling_params(max_tokens, req.logprobs, req.logprobs if req.echo and req.logprobs is not None
                                      else None)
+        params.structured_outputs = spec
         _validate(state, len(ids), params)
         per_prompt.append(params)
     _check_capacity(state, req.n * len(prompts), "n" if len(prompts) == 1 else "prompt")
@@ -341,7 +352,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
             s = _token_str(tok, t["token_id"])
             out["tokens"].append(s)
             out["token_logprobs"].append(t["logprob"])
-            out["top_logprobs"].append({_token_str(tok, a): v for a, v in t["top"]})
+            out["top_logprobs"].append({_token_str(tok, a): _finite(v) for a, v in t["top"]})
             out["text_offset"].append(offsets[index])
             offsets[index] += len(s)
         return out
@@ -394,12 +405,15 @@ def _echo_logprobs(tok, prompt_ids, prompt_lps, lp):
 # ---------------------------------------------------------------------------------- chat
 
 
-async def chat_prompt_ids(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool) -> np.ndarray:
-    """Messages -> the chat template -> token ids (chat completions and /tokenize)."""
+async def chat_prompt_ids(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool,
+                          tools: list | None = None) -> np.ndarray:
+    """Messages (and the tools, for templates that show them) -> the chat template -> token ids
+    (chat completions and /tokenize)."""
     _check_text_length(state, sum(len(m.text()) for m in messages), "messages")
+    kwargs = {"tools": [t.model_dump(exclude_none=True) for t in tools]} if tools else {}
     try:
         text = await run_in_threadpool(state.tokenizer.apply_chat_template, [m.for_template() for m in messages],
-                                       add_generation_prompt)
+                                       add_generation_prompt, **kwargs)
     except ValueError as e:
         raise bad_request_from(e) from None
     _check_text_length(state, len(text), "messages")
@@ -412,11 +426,16 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs: requires logprobs to be true", "top_logprobs")
     tok = state.tokenizer
-    ids = await chat_prompt_ids(state, req.messages, req.add_generation_prompt)
+    tool_choice = resolve_tool_choice(req, state.tool_call_parser is not None)
+    spec = constraint(req, tool_choice)
+    ids = await chat_prompt_ids(state, req.messages, req.add_generation_prompt, req.tools)
     max_tokens = req.max_completion_tokens or req.max_tokens
     if max_tokens is None:
         max_tokens = max(1, state.max_model_len - len(ids))
     params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None, None)
+    params.structured_outputs = spec
+    if tool_choice == "auto":
+        params.skip_special_tokens = False  # a model's tool-call tags may be special tokens (vLLM does the same)
     _validate(state, len(ids), params)
     _check_capacity(state, req.n, "n")
 
@@ -431,29 +450,56 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
 
         def entry(t, v):
             s = _token_str(tok, t)
-            return {"token": s, "logprob": v, "bytes": list(s.encode("utf-8"))}
+            return {"token": s, "logprob": _finite(v), "bytes": list(s.encode("utf-8"))}
 
         return {"content": [{**entry(t["token_id"], t["logprob"]), "top_logprobs": [entry(a, b) for a, b in t["top"]]}
                             for t in lps or []]}
 
+    def finish_reason(reason: str | None, called: bool) -> str | None:
+        # OpenAI's: "tool_calls" when the model called tools of its own choice ("auto", "required");
+        # a named function's call ends with "stop".
+        return "tool_calls" if called and reason == "stop" and isinstance(tool_choice, str) else reason
+
     if req.stream:
         started = set()
+        parsers = [make_parser(tool_choice, state.tool_call_parser) for _ in range(req.n)]
+        called = [False] * req.n
 
         def chunk(d: SampleDelta):
-            delta = {"content": d.text}
+            delta, reason = {"content": d.text}, d.finish_reason
+            parser = parsers[d.index]
+            if parser is not None:
+                content, calls = parser.feed(d.text)
+                if reason:
+                    rest, more = parser.finish()
+                    content, calls = content + rest, calls + more
+                called[d.index] = called[d.index] or bool(calls)
+                delta = {"content": content} if content or not calls else {}
+                if calls:
+                    delta["tool_calls"] = [c.json() for c in calls]
+                reason = finish_reason(reason, called[d.index])
             if d.index not in started:  # the role rides on the choice's first real chunk
                 started.add(d.index)
                 delta = {"role": "assistant", **delta}
             return {**head, "object": "chat.completion.chunk",
                     "choices": [{"index": d.index, "delta": delta, "logprobs": logprobs_json(d.logprobs),
-                                 "finish_reason": d.finish_reason}]}
+                                 "finish_reason": reason}]}
 
         usage_chunk = (lambda: {**head, "object": "chat.completion.chunk", "choices": [], "usage": usage_json(gens)}) \
             if req.stream_options and req.stream_options.include_usage else None
         return _sse_response(_stream(deltas, chunk, usage_chunk), gens)
 
     choices = await _collect_unless_disconnected(request, deltas, req.n)
-    out = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-            "logprobs": logprobs_json(c.logprobs), "finish_reason": c.finish_reason} for c in choices]
+    out = []
+    for c in choices:
+        message, reason = {"role": "assistant", "content": c.text}, c.finish_reason
+        parser = make_parser(tool_choice, state.tool_call_parser)
+        if parser is not None:
+            message["content"], calls = parse_all(parser, c.text)
+            if calls:
+                message["tool_calls"] = calls
+            reason = finish_reason(reason, bool(calls))
+        out.append({"index": c.index, "message": message, "logprobs": logprobs_json(c.logprobs),
+                    "finish_reason": reason})
     return Response(_json({**head, "object": "chat.completion", "choices": out, "usage": usage_json(gens)}),
                     media_type="application/json")
