@@ -44,10 +44,40 @@ class Person(pydantic.BaseModel):
     member: bool
 
 
+# A template that shows tools, calls and results the way Qwen2.5's does (--chat-template).
+TOOL_TEMPLATE = """{%- if tools %}<|im_start|>system
+<tools>
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}
+</tools><|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == "assistant" and message.tool_calls %}<|im_start|>assistant
+{%- for call in message.tool_calls %}
+<tool_call>
+{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% elif message.role == "tool" %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
 @pytest.fixture(scope="module")
-def server(tiny_chat_model):
+def server(tiny_chat_model, tmp_path_factory):
+    template = tmp_path_factory.mktemp("template") / "tools.jinja"
+    template.write_text(TOOL_TEMPLATE)
     s = LiveServer(tiny_chat_model, "--kv-cache-memory", "32M", "--max-model-len", "1024",
-                   "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+                   "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--chat-template", str(template),
+                   "--max-logprobs", "5")
     yield s
     assert s.stop() == 0
 
@@ -207,9 +237,17 @@ def test_tool_results_go_through_the_chat_template(client, model, server):
                 {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees and sunny"}]
     r = client.chat.completions.create(model=model, messages=messages, max_tokens=3, tools=[WEATHER], tool_choice="none")
     assert r.choices[0].message.tool_calls is None
-    ids = httpx.post(server.url + "/tokenize", json={"messages": messages}).json()["tokens"]
+    ids = httpx.post(server.url + "/tokenize", json={"messages": messages, "tools": [WEATHER]}).json()["tokens"]
     text = httpx.post(server.url + "/detokenize", json={"tokens": ids}).json()["prompt"]
-    assert "tool\n21 degrees and sunny" in text
+    assert "Current weather in a city" in text  # the tools, as the template shows them
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n</tool_call>' in text
+    assert "<tool_response>\n21 degrees and sunny\n</tool_response>" in text
+
+
+def test_max_logprobs_flag(server):
+    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": HI, "max_tokens": 2, "logprobs": True,
+                                                             "top_logprobs": 6}, timeout=30)
+    assert r.status_code == 400 and "[0, 5]" in r.json()["error"]["message"]
 
 
 # ------------------------------------------------------------------------------ bad input
@@ -244,13 +282,37 @@ def test_bad_input_is_a_400_naming_the_field(server, body, param):
     assert ok.status_code == 200
 
 
-def test_auto_tool_choice_needs_the_flags(tiny_chat_model):
-    s = LiveServer(tiny_chat_model, "--kv-cache-memory", "16M", "--max-model-len", "512")
+def test_auto_tool_choice_flags_and_generation_config(tiny_chat_model, tmp_path):
+    """Without --enable-auto-tool-choice, tools default to "auto" and are refused (vLLM's rule);
+    --generation-config DIR supplies sampling defaults that request fields override."""
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "max_new_tokens": 7,
+                                                                 "eos_token_id": 2}))
+    s = LiveServer(tiny_chat_model, "--kv-cache-memory", "16M", "--max-model-len", "512",
+                   "--generation-config", str(tmp_path))
     try:
         r = httpx.post(s.url + "/v1/chat/completions", json={"messages": HI, "tools": [WEATHER]}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
         r = httpx.post(s.url + "/v1/chat/completions", json={"messages": HI, "max_tokens": 3, "tools": [WEATHER],
                                                              "tool_choice": "none"}, timeout=30)
         assert r.status_code == 200
+        body = {"messages": HI, "ignore_eos": True}
+        a, b = (httpx.post(s.url + "/v1/chat/completions", json=body, timeout=30).json() for _ in range(2))
+        assert a["usage"]["completion_tokens"] == 7 and a["choices"][0]["message"] == b["choices"][0]["message"]
+        c = httpx.post(s.url + "/v1/completions", json={"prompt": "x", "max_tokens": 3, "temperature": 1.0,
+                                                        "ignore_eos": True}, timeout=30).json()
+        assert c["usage"]["completion_tokens"] == 3
     finally:
         assert s.stop() == 0
+
+
+def test_chat_template_flag_reads_a_file_or_inline_source(tmp_path):
+    from leanserve.tokenizer.chat_template import ChatTemplate, read_chat_template
+
+    path = tmp_path / "t.jinja"
+    path.write_text("{{ messages[0].content }}")
+    assert read_chat_template(str(path)) == "{{ messages[0].content }}"
+    assert read_chat_template("{{ x }}") == "{{ x }}"
+    with pytest.raises(ValueError, match="neither a file nor"):
+        read_chat_template("no_such_file.jinja")
+    with pytest.raises(ValueError, match="chat template: line 1"):
+        ChatTemplate("{% for %}")

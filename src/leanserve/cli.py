@@ -26,6 +26,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", type=_bytes, default=None, help="bytes, e.g. 512M or 2G")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-logprobs", type=int, default=20, help="the most logprobs / top_logprobs a request may ask for")
 
 
 def _bytes(text: str) -> int:
@@ -41,7 +42,7 @@ def _engine_config(a):
                         max_model_len=a.max_model_len,
                         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                         block_size=a.block_size, kv_cache_memory=a.kv_cache_memory,
-                        enable_prefix_caching=a.enable_prefix_caching, seed=a.seed)
+                        enable_prefix_caching=a.enable_prefix_caching, seed=a.seed, max_logprobs=a.max_logprobs)
 
 
 def _sampling(a):
@@ -98,7 +99,8 @@ def cmd_serve(a) -> None:
                        api_key=a.api_key, max_waiting_requests=a.max_waiting_requests,
                        max_request_body_bytes=a.max_request_body_bytes, shutdown_timeout=a.shutdown_timeout,
                        watchdog_timeout=a.watchdog_timeout, data_parallel_size=a.data_parallel_size,
-                       enable_auto_tool_choice=a.enable_auto_tool_choice, tool_call_parser=a.tool_call_parser))
+                       enable_auto_tool_choice=a.enable_auto_tool_choice, tool_call_parser=a.tool_call_parser,
+                       chat_template=a.chat_template, generation_config=a.generation_config))
 
 
 def cmd_router(a) -> None:
@@ -155,6 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "parsed with --tool-call-parser")
     s.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
                    help="hermes: <tool_call>{...}</tool_call> (Qwen2/Qwen3, Hermes and others)")
+    s.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template, as a file or inline, in place of the checkpoint's")
+    s.add_argument("--generation-config", default="auto",
+                   help="sampling defaults (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens) "
+                        "from a generation_config.json: auto (the model's), leanserve (none) or a directory; "
+                        "request fields override them")
     s.set_defaults(func=cmd_serve)
 
     r = sub.add_parser("router", help="OpenAI-compatible proxy: load-balances replicas (--backend) or runs "

@@ -200,6 +200,10 @@ def print_block(s: dict, engine: dict | None) -> None:
               f"{engine['host_step_ms']['p95']:.2f} / {engine['host_step_ms']['p99']:.2f}")
         print(f"{'Forward time p50 (ms):':<40}{engine['forward_ms']['p50']:<10.2f}")
         print(f"{'Host overhead (share of step time):':<40}{engine['host_overhead_share']:<10.3f}")
+        if "grammar_ms" in engine:
+            g = engine["grammar_ms"]
+            print(f"{'Grammar phase mean/p99 (ms):':<40}{g['mean']:.2f} / {g['p99']:.2f}")
+            print(f"{'Grammar phase (share of step time):':<40}{engine['grammar_share']:<10.4f}")
     print("=" * w)
 
 
@@ -210,9 +214,13 @@ def engine_window(base_url: str, since: int | None) -> dict | None:
     w = httpx.get(base_url + "/stats", params={"since": since}, timeout=10).json().get("window", {})
     if not w.get("host_step_ms"):
         return None
-    host, fwd = w["host_step_ms"], w["forward_ms"]
-    return {"iterations": int(w["iterations"]["count"]), "host_step_ms": host, "forward_ms": fwd,
-            "host_overhead_share": (host["mean"] - fwd["mean"]) / host["mean"] if host["mean"] else float("nan")}
+    host, fwd, grammar = w["host_step_ms"], w["forward_ms"], w.get("grammar_ms")
+    out = {"iterations": int(w["iterations"]["count"]), "host_step_ms": host, "forward_ms": fwd,
+           "host_overhead_share": (host["mean"] - fwd["mean"]) / host["mean"] if host["mean"] else float("nan")}
+    if grammar is not None:  # structured outputs: token bitmasks and matchers
+        out["grammar_ms"] = grammar
+        out["grammar_share"] = grammar["mean"] / host["mean"] if host["mean"] else float("nan")
+    return out
 
 
 def read_stats(base_url: str) -> dict | None:

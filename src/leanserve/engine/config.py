@@ -44,6 +44,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len: must be >= 2, got {self.max_model_len}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory: must be > 0 bytes, got {self.kv_cache_memory}")
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs: must be >= 0, got {self.max_logprobs}")
         if not 0 < self.kv_cache_fraction <= 0.9:
             raise ValueError(f"kv_cache_fraction: must be in (0, 0.9], got {self.kv_cache_fraction}")
 

@@ -25,11 +25,13 @@ from .. import __version__
 from ..engine.dp_client import DataParallelClient
 from ..engine.config import EngineConfig
 from ..tokenizer import Tokenizer
+from ..tokenizer.chat_template import read_chat_template
 from .metrics import ServerMetrics
 from .middleware import Gatekeeper
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, InvalidString,
                        TokenizeRequest, error_response)
 from .serving import ServerState, chat_prompt_ids, create_chat_completion, create_completion, prompt_ids
+from .sampling_defaults import sampling_defaults
 from .tool_calls import TOOL_CALL_PARSERS
 
 log = logging.getLogger("leanserve.server")
@@ -52,6 +54,8 @@ class ServerConfig:
     # vLLM's flags: tool_choice "auto" parses the model's own tool-call format with this parser.
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    chat_template: str | None = None  # a file or the Jinja source; None: the checkpoint's
+    generation_config: str = "auto"  # sampling defaults: auto (the model's file), leanserve (none), or a directory
 
     def validate(self) -> None:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
@@ -65,6 +69,9 @@ def build_app(cfg: ServerConfig) -> FastAPI:
     resolved = cfg.engine.resolve()
     path = resolved.model.path
     tokenizer = Tokenizer.from_pretrained(path)
+    if cfg.chat_template is not None:
+        tokenizer.set_chat_template(read_chat_template(cfg.chat_template))
+    defaults = sampling_defaults(cfg.generation_config, path)
     model_name = cfg.served_model_name or _default_name(path)
     metrics = ServerMetrics(model_name, cfg.data_parallel_size)
     engine = DataParallelClient(resolved, list(tokenizer.eos_token_ids), cfg.data_parallel_size,
@@ -80,6 +87,7 @@ def build_app(cfg: ServerConfig) -> FastAPI:
             engine=engine, tokenizer=tokenizer, metrics=metrics, model_name=model_name, model_path=path,
             max_model_len=ready.max_model_len, vocab_size=ready.vocab_size, max_logprobs=cfg.engine.max_logprobs,
             tool_call_parser=cfg.tool_call_parser if cfg.enable_auto_tool_choice else None,
+            sampling_defaults=defaults,
         )
         log.info("serving %s (%s) on http://%s:%d, %d KV blocks", model_name, path, cfg.host, cfg.port,
                  ready.num_kv_blocks)
@@ -149,7 +157,7 @@ def build_app(cfg: ServerConfig) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "prompt: give exactly one of prompt or messages", "prompt")
         if body.messages is not None:
-            ids = await chat_prompt_ids(s, body.messages, body.add_generation_prompt)
+            ids = await chat_prompt_ids(s, body.messages, body.add_generation_prompt, body.tools)
         else:
             ids = await prompt_ids(s, body.prompt, body.add_special_tokens)
         return {"count": len(ids), "max_model_len": s.max_model_len, "tokens": ids.tolist(), "token_strs": None}

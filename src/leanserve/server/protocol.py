@@ -167,17 +167,25 @@ class _SamplingFields(_Body):
         if self.n < 1 or self.n > MAX_N:
             raise APIError(400, f"n: must be between 1 and {MAX_N}, got {self.n}", "n")
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None,
+                        defaults: dict | None = None) -> SamplingParams:
+        """``defaults``: the server's (``--generation-config``) for the fields the request left unset."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        defaults = defaults or {}
+
+        def pick(name: str, fallback):
+            value = getattr(self, name)
+            return defaults.get(name, fallback) if value is None else value
+
         return SamplingParams(
             n=self.n,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            temperature=pick("temperature", 1.0),
+            top_p=pick("top_p", 1.0),
+            top_k=pick("top_k", 0),
+            min_p=pick("min_p", 0.0),
+            repetition_penalty=pick("repetition_penalty", 1.0),
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             seed=self.seed,
@@ -269,6 +277,7 @@ class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None  # with messages: rendered by templates that show tools
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 

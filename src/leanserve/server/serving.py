@@ -14,7 +14,7 @@ import contextlib
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 import msgspec
@@ -50,6 +50,7 @@ class ServerState:
     vocab_size: int
     max_logprobs: int
     tool_call_parser: str | None = None  # set with --enable-auto-tool-choice: tool_choice "auto" works
+    sampling_defaults: dict = field(default_factory=dict)  # --generation-config; request fields override
 
 
 def usage_json(gens: list[Generation]) -> dict:
@@ -329,9 +330,12 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
     prompts = await _completion_prompts(state, req.prompt)
     per_prompt = []
     for _text, ids in prompts:
-        max_tokens = req.max_tokens if req.max_tokens is not None else state.max_model_len - len(ids)
+        max_tokens = req.max_tokens if "max_tokens" in req.model_fields_set else \
+            state.sampling_defaults.get("max_tokens", req.max_tokens)
+        if max_tokens is None:
+            max_tokens = state.max_model_len - len(ids)
         params = req.sampling_params(max_tokens, req.logprobs, req.logprobs if req.echo and req.logprobs is not None
-                                     else None)
+                                     else None, state.sampling_defaults)
         params.structured_outputs = spec
         _validate(state, len(ids), params)
         per_prompt.append(params)
@@ -429,10 +433,11 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     tool_choice = resolve_tool_choice(req, state.tool_call_parser is not None)
     spec = constraint(req, tool_choice)
     ids = await chat_prompt_ids(state, req.messages, req.add_generation_prompt, req.tools)
-    max_tokens = req.max_completion_tokens or req.max_tokens
+    max_tokens = req.max_completion_tokens or req.max_tokens or state.sampling_defaults.get("max_tokens")
     if max_tokens is None:
         max_tokens = max(1, state.max_model_len - len(ids))
-    params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None, None)
+    params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None, None,
+                                 state.sampling_defaults)
     params.structured_outputs = spec
     if tool_choice == "auto":
         params.skip_special_tokens = False  # a model's tool-call tags may be special tokens (vLLM does the same)

@@ -58,9 +58,9 @@ class Tokenizer:
         self.bos_token_id = bos_token_id
         self.eos_token_ids = eos_token_ids
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
-        bos = backend.id_to_token(bos_token_id) if bos_token_id is not None else ""
-        eos = backend.id_to_token(eos_token_ids[0]) if eos_token_ids else ""
-        self.chat_template = ChatTemplate(chat_template, bos_token=bos or "", eos_token=eos or "") if chat_template else None
+        self.chat_template = None
+        if chat_template:
+            self.set_chat_template(chat_template)
 
     # ---------------------------------------------------------------- construction
     @classmethod
@@ -152,6 +152,13 @@ class Tokenizer:
         tokenizing it. Doubled, so a normalizer that merges characters cannot undercut it."""
         pieces = self.backend.decode_batch([[i] for i in range(self.vocab_size)], skip_special_tokens=False)
         return 2 * max(1, max(map(len, pieces)))
+
+    def set_chat_template(self, source: str) -> None:
+        """Replaces the checkpoint's chat template (``--chat-template``); raises ValueError for
+        a template that does not parse."""
+        bos = self.backend.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
+        eos = self.backend.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else ""
+        self.chat_template = ChatTemplate(source, bos_token=bos or "", eos_token=eos or "")
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         if self.chat_template is None:
