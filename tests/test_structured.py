@@ -78,6 +78,8 @@ def test_batched_fill_follows_the_grammar(ll_tokenizer, default_tokenizer):
         llguidance.numpy.fill_next_token_bitmask(m, alone)
         assert np.array_equal(batched[i], alone[0])
         assert doc[i * 3] in allowed(batched[i])
+    overlapped = GrammarBitmask(8, VOCAB, 1, overlap=True).start_fill(matchers)  # on its own thread
+    assert np.array_equal(overlapped(), batched)
     m = backend.fork(template)
     for t in doc:
         assert t in allowed(bitmask.fill([m])[0]) and backend.accept(m, t)

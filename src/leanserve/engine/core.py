@@ -2,15 +2,19 @@
 
 An iteration (``step``):
   1. fetch    - drain the inbox: new requests (at most ``max_new_requests_per_step``) and aborts;
+                requests whose grammar has finished compiling join the scheduler;
   2. schedule - running requests first, then chunked prefill of waiting ones, under the token
                 budget; allocate KV blocks, preempting the newest request if the pool is dry;
-  3. execute  - build the model input from the persistent batch arrays, forward, sample;
+  3. execute  - build the model input from the persistent batch arrays, forward, mask the
+                constrained rows' logits (structured outputs), sample;
   4. update   - the scheduler applies the sampled tokens (``update_from_output``: stop checks,
-                finished requests freed); the iteration's one StepOutput is returned.
+                grammar matchers advanced, finished requests freed); the iteration's one
+                StepOutput is returned.
 Each phase is timed by name into the per-iteration stats (``stats.FIELDS``).
 
 ``add_request`` and ``abort`` only append to a deque (O(1), thread-safe, never waits on the
-loop); validation is O(1) in the prompt length. A failing iteration fails the requests in it,
+loop); validation is O(1) in the prompt length. A request with structured outputs also hands
+its spec to the grammar compiler's thread there; the loop never compiles. A failing iteration fails the requests in it,
 never the loop.
 """
 
@@ -105,8 +109,8 @@ class EngineCore:
         self.scheduler = Scheduler(self.batch, self.kv.pool, config.max_num_batched_tokens,
                                    config.enable_prefix_caching)
         self.runner = ModelRunner(self.model, self.kv, config.device, config.seed,
-                                  grammar_bitmask=GrammarBitmask(config.max_num_seqs, self.vocab_size,
-                                                                 torch.get_num_threads()))
+                                  grammar_bitmask=GrammarBitmask.for_device(config.device, config.max_num_seqs,
+                                                                            self.vocab_size))
         self.grammars = GrammarCompiler(self._grammar_tokenizer)
         self.stats = IterationStats(config.stats_capacity)
         self.requests: dict[int, Request] = {}  # by id, for aborts
@@ -127,6 +131,10 @@ class EngineCore:
             raise ValueError("structured outputs need the model's tokenizer; this engine was built without its path")
         tokenizer = Tokenizer.from_pretrained(self.tokenizer_path)
         return structured.load_tokenizer(tokenizer.backend.to_str(), self.vocab_size, self.eos_token_ids)
+
+    def close(self) -> None:
+        """Stops the grammar compiler's thread (the loop must have stopped)."""
+        self.grammars.shutdown()
 
     # ------------------------------------------------------------------ boundary (any thread)
     def add_request(self, request_id: int, prompt: np.ndarray, params: SamplingParams,

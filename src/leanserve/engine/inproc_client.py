@@ -113,3 +113,4 @@ class InprocClient:
     def shutdown(self) -> None:
         self._loop.stop()
         self._thread.join(timeout=5)
+        self.core.close()

@@ -213,17 +213,16 @@ class ModelRunner:
         input_ids, positions = inp.input_ids, inp.positions
         if num_rows != inp.num_tokens:
             input_ids, positions = _padded(input_ids, num_rows), _padded(positions, num_rows)
+        # Grammar masks: filled while the forward runs where that pays (see GrammarBitmask).
+        masks = self.grammar_bitmask.start_fill(inp.grammars) if inp.grammars else None
         t0 = time.perf_counter()
         logits = self.model(self._t(input_ids), self._t(positions), self.kv.tensor, meta, rows_t)
         if len(logits) != num_logits:
             logits = logits[:num_logits]
         t1 = t2 = time.perf_counter()
         n_sample = len(inp.logits_indices)
-        if inp.grammars:
-            # After the forward is launched: on an asynchronous device the masks are filled
-            # while it runs (the next token's mask depends only on tokens already sampled).
-            mask = self.grammar_bitmask.fill(inp.grammars)
-            self.grammar_bitmask.apply(logits[:n_sample], inp.grammar_rows, mask)
+        if masks is not None:  # the time the grammar adds after the forward: the fill's rest, the apply
+            self.grammar_bitmask.apply(logits[:n_sample], inp.grammar_rows, masks())
             t2 = time.perf_counter()
         prompt_lps = self._prompt_logprobs(logits[n_sample:], inp.prompt_logprob_rows) if extra else {}
         sampled = self.sampler(logits[:n_sample], inp.sampling)
