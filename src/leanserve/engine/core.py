@@ -110,7 +110,7 @@ class EngineCore:
                                    config.enable_prefix_caching)
         self.runner = ModelRunner(self.model, self.kv, config.device, config.seed,
                                   grammar_bitmask=GrammarBitmask.for_device(config.device, config.max_num_seqs,
-                                                                            self.vocab_size))
+                                                                            self.vocab_size, config.threads))
         self.grammars = GrammarCompiler(self._grammar_tokenizer)
         self.stats = IterationStats(config.stats_capacity)
         self.requests: dict[int, Request] = {}  # by id, for aborts

@@ -51,10 +51,11 @@ class GrammarBitmask:
         self._bias = torch.empty(0)
 
     @classmethod
-    def for_device(cls, device, max_rows: int, vocab_size: int) -> GrammarBitmask:
+    def for_device(cls, device, max_rows: int, vocab_size: int, cores: int | None = None) -> GrammarBitmask:
         """Overlapped where the forward leaves cores free, with as many fill threads as it leaves
-        (all of them when the forward runs on an accelerator)."""
-        cores, torch_threads = os.cpu_count() or 1, torch.get_num_threads()
+        (all of them when the forward runs on an accelerator). ``cores``: the engine's share
+        (``--data-parallel-size`` splits them); default all of the machine's."""
+        cores, torch_threads = cores or os.cpu_count() or 1, torch.get_num_threads()
         if torch.device(device).type != "cpu":
             return cls(max_rows, vocab_size, cores, overlap=True)
         free = cores - torch_threads
