@@ -14,8 +14,8 @@ Each phase is timed by name into the per-iteration stats (``stats.FIELDS``).
 
 ``add_request`` and ``abort`` only append to a deque (O(1), thread-safe, never waits on the
 loop); validation is O(1) in the prompt length. A request with structured outputs also hands
-its spec to the grammar compiler's thread there; the loop never compiles. A failing iteration fails the requests in it,
-never the loop.
+its spec to the grammar compiler's thread there; the loop never compiles. A failing iteration
+fails the requests in it, never the loop.
 """
 
 from __future__ import annotations
@@ -87,7 +87,8 @@ def prompt_from_token_ids(ids, vocab_size: int) -> np.ndarray:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, model: Transformer, eos_token_ids=None, tokenizer_path: str | None = None):
+    def __init__(self, config: EngineConfig, model: Transformer, eos_token_ids=None,
+                 tokenizer_path: str | None = None):
         """Builds KV cache, batch and scheduler around a loaded ``model``; :meth:`from_config` is
         the start-up path (tests and benchmarks also pass models built in memory).
         ``tokenizer_path``: the checkpoint whose tokenizer structured outputs compile grammars
