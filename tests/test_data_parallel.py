@@ -47,7 +47,11 @@ def test_outputs_equal_one_engine_and_both_engines_serve(servers):
     want = completions(single.url, PROMPTS, n=2)
     strip = lambda choices: [(c["index"], c["text"], c["logprobs"]["tokens"]) for c in choices]  # noqa: E731
     assert [strip(c) for c in got] == [strip(c) for c in want]
-    tokens = [metric(dp.url, "leanserve:generation_tokens_total", engine=k) for k in "01"]
+    # Engine counters reach the API process in its 0.5 s stats snapshots: wait for the last one.
+    total = len(PROMPTS) * 2 * 12
+    read = lambda: [metric(dp.url, "leanserve:generation_tokens_total", engine=k) for k in "01"]  # noqa: E731
+    wait_for(lambda: sum(read()) >= total, what="every engine's counters")
+    tokens = read()
     assert min(tokens) > 0 and sum(tokens) == len(PROMPTS) * 2 * 12, tokens
 
 
