@@ -127,12 +127,13 @@ class KVCache:
     def bytes_per_block(num_layers, num_kv_heads, head_dim, block_size, dtype) -> int:
         return num_layers * 2 * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
-    # Disaggregated serving hands a request's KV from a prefill worker to a decode worker:
-    # these two calls are the whole contract (block contents out, block contents in).
-    def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        return self.tensor[:, :, block_ids].clone()
+    def block_buffer(self, block_id: int) -> torch.Tensor:
+        """One block's KV for every layer, [layers, 2 (k, v), kv_heads, block_size, head_dim]: the
+        unit disaggregated serving moves between workers (``kv_transfer``), read to send, written
+        to receive.
 
-    def import_blocks(self, data: torch.Tensor) -> list[int]:
-        block_ids = self.pool.allocate(data.shape[2])
-        self.tensor[:, :, block_ids] = data.to(self.tensor.dtype)
-        return block_ids
+        On this layout a block is not one piece of memory: the result is a strided view of the
+        cache (writes land in it), and a sender's ``.contiguous()`` gathers it, one copy of
+        ``2 * layers`` runs. With the block-major layout (one buffer per block) it becomes a
+        contiguous view and that copy disappears; callers do not change."""
+        return self.tensor[:, :, block_id].transpose(2, 3)
