@@ -12,6 +12,7 @@ from ..model.config import ModelConfig
 from ..model.loader import ModelSpec
 from .batch_state import blocks_needed
 from .kv_cache import KVCache
+from .kv_transfer.config import KVTransferConfig
 
 log = logging.getLogger("leanserve.engine")
 
@@ -35,6 +36,7 @@ class EngineConfig:
     seed: int | None = None
     stats_capacity: int = 4096
     threads: int | None = None  # torch intra-op threads; None: torch's default
+    kv_transfer: KVTransferConfig | None = None  # disaggregated serving; None: this engine moves no KV
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_new_requests_per_step"):
@@ -48,6 +50,8 @@ class EngineConfig:
             raise ValueError(f"max_logprobs: must be >= 0, got {self.max_logprobs}")
         if not 0 < self.kv_cache_fraction <= 0.9:
             raise ValueError(f"kv_cache_fraction: must be in (0, 0.9], got {self.kv_cache_fraction}")
+        if self.kv_transfer is not None:
+            self.kv_transfer.validate()
 
     def resolve(self) -> ResolvedConfig:
         """Checks every flag and resolves the model's, once; raises ValueError naming the flag."""

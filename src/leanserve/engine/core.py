@@ -37,9 +37,11 @@ from ..tokenizer import Tokenizer
 from .batch_state import BatchState
 from .config import EngineConfig, ResolvedConfig, plan_kv_cache
 from .kv_cache import KVCache
+from .kv_transfer import make_connector
 from .model_runner import ModelOutput, ModelRunner, build_model_input
 from .messages import Abort, Add, StepOutput
 from .params import SamplingParams
+from .kv_transfer.messages import RemotePrefill
 from .request import Request, Status
 from .scheduler import ScheduledBatch, Scheduler
 from .stats import IterationStats, PhaseClock
@@ -107,8 +109,11 @@ class EngineCore:
         self.kv = KVCache(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, num_blocks, config.block_size, dtype,
                           config.device)
         self.batch = BatchState(config.max_num_seqs, self.max_model_len, config.block_size, self.eos_token_ids)
+        self.wakeup = threading.Event()
+        self.connector = None if config.kv_transfer is None else \
+            make_connector(config.kv_transfer, self.kv, self.model, config.block_size, self.wakeup.set)
         self.scheduler = Scheduler(self.batch, self.kv.pool, config.max_num_batched_tokens,
-                                   config.enable_prefix_caching)
+                                   config.enable_prefix_caching, self.connector)
         self.runner = ModelRunner(self.model, self.kv, config.device, config.seed,
                                   grammar_bitmask=GrammarBitmask.for_device(config.device, config.max_num_seqs,
                                                                             self.vocab_size, config.threads))
@@ -120,7 +125,6 @@ class EngineCore:
         # ready; requests that arrived after them do not wait.
         self._compiling: list[tuple[list[Request], Future]] = []
         self._rejected: dict[int, str] = {}  # request id -> why its grammar could not be compiled
-        self.wakeup = threading.Event()
 
     @classmethod
     def from_config(cls, config: ResolvedConfig, eos_token_ids=None) -> EngineCore:
@@ -134,25 +138,37 @@ class EngineCore:
         return structured.load_tokenizer(tokenizer.backend.to_str(), self.vocab_size, self.eos_token_ids)
 
     def close(self) -> None:
-        """Stops the grammar compiler's thread (the loop must have stopped)."""
+        """Stops the grammar compiler's thread and the KV transfer thread, whose sockets it closes
+        (the loop must have stopped)."""
         self.grammars.shutdown()
+        if self.connector is not None:
+            self.connector.shutdown()
 
     # ------------------------------------------------------------------ boundary (any thread)
     def add_request(self, request_id: int, prompt: np.ndarray, params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, do_remote_decode: bool = False,
+                    remote_prefill: RemotePrefill | None = None) -> None:
         """Enqueues a request; samples of ``n > 1`` get ids ``request_id .. request_id + n - 1``.
 
         ``prompt`` should be an int32 numpy array: it is held as is, never copied.
+        ``do_remote_decode``: keep the prompt's blocks for a decode worker when it finishes;
+        ``remote_prefill``: take the prompt's KV from that prefill worker's lease.
         Raises ValueError naming the field; nothing is enqueued then.
         """
+        self.enqueue(Add(request_id, params, arrival_time or time.monotonic(), do_remote_decode, remote_prefill),
+                     prompt)
+
+    def enqueue(self, add: Add, prompt: np.ndarray) -> None:
+        """``add_request`` of an Add as it came over the wire (the engine process's input thread)."""
         if not isinstance(prompt, np.ndarray) or prompt.dtype != np.int32 or prompt.ndim != 1:
             raise ValueError("prompt: must be a 1-D int32 numpy array of token ids")
+        params = add.params
         validate_request(len(prompt), params, self.max_model_len, self.vocab_size, self.config.max_logprobs)
         grammar = None
         if params.structured_outputs is not None:  # compiling starts now, on the compiler's thread
             grammar = self.grammars.compile(params.structured_outputs, params.n)
             grammar.add_done_callback(lambda _: self.wakeup.set())
-        self._inbox.append((Add(request_id, params, arrival_time or time.monotonic()), prompt, grammar))
+        self._inbox.append((add, prompt, grammar))
         self.wakeup.set()
 
     def abort(self, request_ids) -> None:
@@ -166,8 +182,9 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        return (bool(self._inbox) or bool(self.scheduler.running) or bool(self.scheduler.waiting)
-                or bool(self._compiling))
+        sch = self.scheduler
+        return (bool(self._inbox) or bool(sch.running) or bool(sch.waiting) or bool(self._compiling)
+                or bool(sch.receiving) or (self.connector is not None and self.connector.has_work()))
 
     # ------------------------------------------------------------------ the loop body
     def step(self) -> StepOutput | None:
@@ -178,6 +195,7 @@ class EngineCore:
         rejected, self._rejected = self._rejected, {}
         clock.lap("fetch_ms")
         sched = self.scheduler.schedule()
+        rejected |= self._failed_outside_step()
         clock.lap("schedule_ms")
         if sched.empty:
             return StepOutput.of_aborts(aborted, rejected) if aborted or rejected else None
@@ -210,8 +228,16 @@ class EngineCore:
             host_step_ms=clock.total_ms, **clock.ms,
             num_context_tokens=sched.num_prefill_tokens, num_generation_requests=len(sched.decode_slots),
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_waiting_for_kv=len(self.scheduler.receiving),
             kv_blocks_used=self.kv.pool.num_used, num_preemptions=len(sched.preempted),
         )
+
+    def _failed_outside_step(self) -> dict[int, str]:
+        """Requests the scheduler ended with an error before the step (KV transfers), forgotten:
+        they are reported without a row, as rejected ones are."""
+        failed = self.scheduler.take_failed()
+        self._forget([req for req, _ in failed])
+        return {req.request_id: error for req, error in failed}
 
     def _fetch(self) -> list[int]:
         """Takes aborts, and at most ``max_new_requests_per_step`` new requests, from the inbox;
@@ -228,6 +254,9 @@ class EngineCore:
                 reqs = [self.requests[rid] for rid in item.request_ids if rid in self.requests]
                 for req in reqs:
                     self.scheduler.finish(req)
+                for rid in item.request_ids:  # a finished prefill's lease that nobody will pull
+                    if rid not in self.requests:
+                        self.scheduler.drop_lease(rid)
                 self._forget(reqs)
                 aborted += [req.request_id for req in reqs]
                 continue
@@ -240,14 +269,21 @@ class EngineCore:
 
     def _admit(self, add: Add, prompt: np.ndarray, grammar: Future | None) -> None:
         """Queues the ``n`` samples of a request; samples after the first share its prompt blocks.
-        A request whose grammar is still compiling waits aside, holding nothing."""
+        A request whose grammar is still compiling waits aside, holding nothing. With a remote
+        prefill the first sample receives the prompt's KV, and the others share it."""
         params, first, reqs = add.params, None, []
+        remote = self._usable_remote_prefill(add)
         for i in range(params.n):
             generator = None
             if params.seed is not None:
                 generator = torch.Generator(self.runner.device).manual_seed((params.seed + i) % 2**64)
             req = Request(add.request_id + i, prompt, params, generator, prefix_parent=first,
                           arrival_time=add.arrival_time)
+            if remote is not None:
+                req.prefix_cacheable = False
+                req.kv_remote = remote if first is None else None
+            req.do_remote_decode = first is None and add.do_remote_decode and self.connector is not None \
+                and self.connector.config.is_producer
             first = first or req
             self.requests[req.request_id] = req
             reqs.append(req)
@@ -278,12 +314,26 @@ class EngineCore:
             for req in live:
                 req.status = Status.FINISHED
                 self._rejected[req.request_id] = f"structured_outputs: {e}"
+                if req.kv_remote is not None:
+                    self.connector.release_remote(req.kv_remote)
             self._forget(live)
             return
         for req, matcher in zip(reqs, matchers):
             if req.status != Status.FINISHED:
                 req.grammar = matcher
                 self.scheduler.add(req)
+
+    def _usable_remote_prefill(self, add: Add) -> RemotePrefill | None:
+        """The Add's remote prefill if this engine can take its KV; otherwise the prompt is
+        computed here, and the prefill worker is told to free its lease now."""
+        remote, c = add.remote_prefill, self.connector
+        if remote is None or c is None:
+            return None
+        # A prompt-logprobs request needs every prompt position computed here.
+        if not c.config.is_consumer or add.params.prompt_logprobs is not None:
+            c.release_remote(remote)
+            return None
+        return remote
 
     def _forget(self, reqs: list[Request]) -> None:
         """Drops finished requests from the id table. Tolerant: a failing iteration (``_fail``)
@@ -302,6 +352,7 @@ class EngineCore:
             self.scheduler.finish(req)
         self._forget(list(reqs.values()))
         return StepOutput.of_failure(list(reqs), error, aborted)
+
 
 
 class EngineLoop:

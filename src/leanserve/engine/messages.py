@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Iterator
 import msgspec
 import numpy as np
 
+from .kv_transfer.messages import KVLease, RemotePrefill
 from .params import SamplingParams
 from .request import FinishReason
 
@@ -36,7 +37,8 @@ class StepOutput(msgspec.Struct, array_like=True, gc=False):
     and finished with ``finish_reasons[i]`` (0: still running). Logprob arrays are present only
     when some row asked for them (rows that did not are NaN / -1). ``aborted`` lists the requests
     the iteration aborted (no token, no row). ``errors`` says why a request ended with ERROR,
-    whether it has a row or not (a grammar that failed to compile: no row).
+    whether it has a row or not (a grammar that failed to compile, a KV transfer that failed:
+    no row). ``leases`` are the finished prefills whose blocks wait for a decode worker.
     """
 
     request_ids: bytes  # int64
@@ -50,6 +52,7 @@ class StepOutput(msgspec.Struct, array_like=True, gc=False):
     prompt_logprobs: dict[int, tuple[bytes, bytes, bytes, int]] = {}  # id -> (logprob, top ids, top lps, k)
     errors: dict[int, str] = {}
     aborted: bytes = b""  # int64
+    leases: list[KVLease] = []
 
     @classmethod
     def of_step(cls, result: "StepResult", sampled: "SamplerOutput",
@@ -59,7 +62,8 @@ class StepOutput(msgspec.Struct, array_like=True, gc=False):
         prompt logprobs by request id, the ids aborted this iteration, and requests that ended
         before they ran (``rejected``: id -> error; they have no row)."""
         out = cls(result.request_ids.tobytes(), result.token_ids.tobytes(), result.finish_reasons.tobytes(),
-                  result.num_cached_tokens.tobytes(), errors={**result.errors, **(rejected or {})})
+                  result.num_cached_tokens.tobytes(), errors={**result.errors, **(rejected or {})},
+                  leases=result.leases)
         if aborted:
             out.aborted = np.asarray(aborted, np.int64).tobytes()
         if sampled.logprobs is not None:
@@ -103,6 +107,7 @@ class TokenEvent:
     top: list[tuple[int, float]] | None = None  # (token id, logprob), best first
     prompt_logprobs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
     error: str | None = None
+    kv_lease: KVLease | None = None  # on a prefill's finishing event: its blocks wait for a decode worker
 
 
 def demux(out: StepOutput) -> Iterator[tuple[int, TokenEvent]]:
@@ -113,6 +118,7 @@ def demux(out: StepOutput) -> Iterator[tuple[int, TokenEvent]]:
     k = out.top_k
     top_ids = np.frombuffer(out.top_ids, np.int32).reshape(-1, k) if k else None
     top_lps = np.frombuffer(out.top_logprobs, np.float32).reshape(-1, k) if k else None
+    leases = {lease.request_id: lease for lease in out.leases}
     for i, rid in enumerate(ids.tolist()):
         try:
             ev = TokenEvent(int(toks[i]), FinishReason(int(reasons[i])), int(cached[i]))
@@ -124,6 +130,7 @@ def demux(out: StepOutput) -> Iterator[tuple[int, TokenEvent]]:
                 ev.prompt_logprobs = _prompt_logprobs(*out.prompt_logprobs[rid])
             if rid in out.errors:
                 ev.error = out.errors[rid]
+            ev.kv_lease = leases.get(rid)
         except Exception as e:  # noqa: BLE001 - reported to the one request it concerns
             ev = TokenEvent(-1, FinishReason.ERROR, error=f"could not read the engine's output: {e!r}")
         yield rid, ev
@@ -159,6 +166,10 @@ class Add(msgspec.Struct, tag="add", array_like=True, gc=False):
     request_id: int
     params: SamplingParams
     arrival_time: float
+    # Disaggregated serving: keep the prompt's blocks for a decode worker when finished (prefill
+    # side), or take the prompt's KV from a prefill worker (decode side).
+    do_remote_decode: bool = False
+    remote_prefill: RemotePrefill | None = None
 
 
 class Abort(msgspec.Struct, tag="abort", array_like=True, gc=False):
@@ -178,6 +189,21 @@ class Rejected(msgspec.Struct, tag="rejected", array_like=True):
     error: str
 
 
+class KVTransferStats(msgspec.Struct, array_like=True, gc=False):
+    """Disaggregated serving's counters: transfers pulled in (decode side), leases kept (prefill side)."""
+
+    transfers_started: int
+    transfers_completed: int
+    transfers_failed: int
+    received_bytes: int
+    sent_bytes: int
+    leases_created: int
+    leases_expired: int
+    leases_held: int
+    num_waiting_for_kv: int
+    transfer_times: list[float]  # seconds, pull sent -> blocks written, since the last snapshot
+
+
 class EngineStats(msgspec.Struct, tag="stats", array_like=True, gc=False):
     num_running: int
     num_waiting: int
@@ -191,6 +217,7 @@ class EngineStats(msgspec.Struct, tag="stats", array_like=True, gc=False):
     iterations: bytes  # float64 rows of engine.stats.FIELDS recorded since the last snapshot
     queue_times: list[float]
     current_step_s: float  # how long the iteration in progress has run (0 between iterations)
+    kv_transfer: KVTransferStats | None = None  # None: the engine moves no KV
 
 
 class Step(msgspec.Struct, tag="step", array_like=True, gc=False):

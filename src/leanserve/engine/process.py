@@ -30,7 +30,8 @@ import zmq
 
 from .config import ResolvedConfig
 from .core import EngineCore, EngineLoop
-from .messages import STATS_PERIOD_S, Abort, Add, EngineStats, FromEngine, Ready, Rejected, Step, ToEngine
+from .messages import (STATS_PERIOD_S, Abort, Add, EngineStats, FromEngine, KVTransferStats, Ready, Rejected, Step,
+                       ToEngine)
 
 log = logging.getLogger("leanserve.engine")
 
@@ -69,7 +70,7 @@ def _input_thread(ctx: zmq.Context, addr: str, core: EngineCore, outbox: queue.S
         if isinstance(msg, Add):
             prompt = np.frombuffer(frames[1].buffer, np.int32)  # zero-copy view of the frame
             try:
-                core.add_request(msg.request_id, prompt, msg.params, msg.arrival_time)
+                core.enqueue(msg, prompt)
             except ValueError as e:
                 outbox.put(Rejected(msg.request_id, str(e)))
         elif isinstance(msg, Abort):
@@ -133,4 +134,18 @@ def _snapshot(core: EngineCore, seen: int, current_step_s: float) -> tuple[Engin
         iterations=np.ascontiguousarray(rows).tobytes(),
         queue_times=queue_times,
         current_step_s=current_step_s,
+        kv_transfer=None if core.connector is None else _kv_snapshot(core),
     ), core.stats.count
+
+
+def _kv_snapshot(core: EngineCore) -> KVTransferStats:
+    c = core.connector.counters
+    times = []
+    while c.durations:
+        times.append(c.durations.popleft())
+    return KVTransferStats(
+        transfers_started=c.loads_started, transfers_completed=c.loads_completed, transfers_failed=c.loads_failed,
+        received_bytes=c.bytes_received, sent_bytes=c.bytes_sent, leases_created=c.leases_created,
+        leases_expired=core.connector.leases.expired_total, leases_held=core.connector.leases.num_held,
+        num_waiting_for_kv=len(core.scheduler.receiving), transfer_times=times,
+    )

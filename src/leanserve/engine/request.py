@@ -14,6 +14,7 @@ import time
 import numpy as np
 import torch
 
+from .kv_transfer.messages import RemotePrefill
 from .params import SamplingParams
 
 
@@ -21,6 +22,9 @@ class Status(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
     FINISHED = 2
+    # vLLM's name: a decode worker's request holding its slot and blocks while its prompt's KV
+    # arrives from a prefill worker (``kv_transfer``); then RUNNING, its last prompt token a decode row.
+    WAITING_FOR_REMOTE_KVS = 3
 
 
 class FinishReason(enum.IntEnum):
@@ -39,7 +43,7 @@ class Request:
     __slots__ = (
         "request_id", "prompt", "params", "num_prompt_tokens", "status", "batch", "slot", "block_keys",
         "num_cached_tokens", "saved_output", "prefix_parent", "arrival_time", "first_scheduled_time",
-        "num_preemptions", "generator", "grammar",
+        "num_preemptions", "generator", "grammar", "kv_remote", "do_remote_decode", "prefix_cacheable",
     )
 
     def __init__(self, request_id: int, prompt: np.ndarray, params: SamplingParams,
@@ -66,6 +70,13 @@ class Request:
         # Structured outputs: the grammar matcher, advanced by every output token. Like the
         # generator it survives a preemption: output tokens are kept, so its state stays valid.
         self.grammar = grammar
+        # Disaggregated serving (``kv_transfer``). Decode side: where the prompt's KV waits, until
+        # it lands. Prefill side: keep the prompt's blocks for a decode worker when finished.
+        self.kv_remote: RemotePrefill | None = None
+        self.do_remote_decode = False
+        # Whether the request's blocks enter the prefix cache. Not for prompts whose KV came from
+        # another worker: their keys would be hashed here, on the loop, all at once (O(prompt)).
+        self.prefix_cacheable = True
 
     # Read through the batch while running; a request out of the batch holds no blocks and has
     # no KV computed (preemption recomputes).

@@ -18,6 +18,14 @@ in the same tail, ``_schedule_from_plan``.
 After the forward, ``update_from_output`` is the one place a step's results change request
 state: computed counts, full blocks into the prefix cache, sampled tokens, stop checks,
 finished requests released. The scheduler also keeps the engine's counters.
+
+Disaggregated serving (with a ``kv_transfer`` connector) adds one request state and one
+admission rule. A request whose prompt KV waits on a prefill worker is admitted when a slot and
+its prompt's blocks are free, without spending budget, into ``WAITING_FOR_REMOTE_KVS``; each
+``schedule`` first lands the transfers that ended (``_land_transfers``: O(completions), plus a
+look at the timeout heap's head), and a landed request runs with all but its last prompt token
+computed. On the prefill side, a finished request sent with ``do_remote_decode`` leaves its
+prompt's blocks under a lease instead of freeing them; leases that end give them back here.
 """
 
 from __future__ import annotations
@@ -31,6 +39,8 @@ import numpy as np
 
 from .batch_state import BatchState, blocks_needed
 from .kv_cache import BlockPool, block_key
+from .kv_transfer.connector import KVConnector
+from .kv_transfer.messages import KVLease
 from .request import FinishReason, Request, Status
 from .stats import PhaseClock
 from .structured import backend as structured
@@ -80,18 +90,23 @@ class StepResult:
     num_cached_tokens: np.ndarray  # int32, prompt tokens served by the prefix cache
     finished: list[Request]
     errors: dict[int, str] = field(default_factory=dict)  # request id -> why it ended with ERROR
+    leases: list[KVLease] = field(default_factory=list)  # finished prefills kept for decode workers
 
 
 class Scheduler:
     def __init__(self, batch: BatchState, pool: BlockPool, max_num_batched_tokens: int,
-                 enable_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True, connector: KVConnector | None = None):
         self.batch = batch
         self.pool = pool
         self.block_size = batch.block_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_prefix_caching = enable_prefix_caching
+        self.connector = connector
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.receiving: dict[int, Request] = {}  # WAITING_FOR_REMOTE_KVS (and aborted ones whose bytes are landing)
+        # Requests a KV transfer failed, ended outside a step: the engine reports them (``take_failed``).
+        self._failed: list[tuple[Request, str]] = []
         self._running_slots: np.ndarray | None = None  # cache of [r.slot for r in running]
         # Counters read by the metrics exporter.
         self.num_preemptions = 0
@@ -109,25 +124,55 @@ class Scheduler:
 
     def finish(self, req: Request) -> None:
         """Removes a request wherever it is (aborts, failures) and frees its blocks and slot.
-        A request already finished is left as it is."""
+        A request already finished is left as it is. A request still to receive its prompt's KV
+        releases the prefill worker's lease (SGLang #9726: a failed leg left the other waiting)."""
         if req.status == Status.RUNNING:
             self.running.remove(req)
             self._running_slots = None
             self._release(req)
-        elif req.status == Status.WAITING and req in self.waiting:
-            self.waiting.remove(req)  # a waiting request holds no blocks
+        elif req.status == Status.WAITING_FOR_REMOTE_KVS:
+            # If the transfer thread is writing its blocks now, they are freed when that lands.
+            if self.connector.cancel_load(req.request_id):
+                del self.receiving[req.request_id]
+                self._release(req)
+        elif req.status == Status.WAITING:
+            if req in self.waiting:  # not yet there while its grammar compiles
+                self.waiting.remove(req)  # a waiting request holds no blocks
+            if req.kv_remote is not None:
+                self.connector.release_remote(req.kv_remote)
         req.status = Status.FINISHED
 
-    def finish_slots(self, slots: np.ndarray) -> list[Request]:
-        """Finishes the running requests in these slots (one pass over the running list)."""
+    def drop_lease(self, request_id: int) -> None:
+        """Frees a finished prefill's leased blocks that no decode worker will pull."""
+        if self.connector is not None and (block_ids := self.connector.drop_lease(request_id)) is not None:
+            self.pool.free(block_ids)
+
+    def take_failed(self) -> list[tuple[Request, str]]:
+        failed, self._failed = self._failed, []
+        return failed
+
+    def finish_slots(self, slots: np.ndarray, reasons: np.ndarray) -> tuple[list[Request], list[KVLease]]:
+        """Finishes the running requests in these slots (one pass over the running list). A
+        prefill for a decode worker (``do_remote_decode``) that ends on its length keeps its
+        prompt's blocks under a lease; the leases are returned with the finished requests."""
         reqs = [self.batch.requests[s] for s in slots]
         gone = set(map(id, reqs))
         self.running = [r for r in self.running if id(r) not in gone]
         self._running_slots = None
-        for r in reqs:
-            self._release(r)
+        leases = []
+        for r, reason in zip(reqs, reasons):
+            if r.do_remote_decode and reason == FinishReason.LENGTH:
+                leases.append(self._lease(r))
+            else:
+                self._release(r)
             r.status = Status.FINISHED
-        return reqs
+        return reqs, leases
+
+    def _lease(self, req: Request) -> KVLease:
+        block_ids = self.batch.remove(req.slot)
+        keep = blocks_needed(req.num_prompt_tokens, self.block_size)  # the prompt's: all a decode worker takes
+        self.pool.free(block_ids[keep:])
+        return self.connector.lease(req.request_id, block_ids[:keep], req.num_cached_tokens)
 
     def _release(self, req: Request) -> None:
         """A running request gives back its batch slot and KV blocks."""
@@ -135,6 +180,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------ scheduling
     def schedule(self) -> ScheduledBatch:
+        if self.connector is not None:
+            self._land_transfers()
         budget = self.max_num_batched_tokens
         slots = self._slots()
         if self._steady_state(slots, budget):
@@ -244,16 +291,23 @@ class Scheduler:
         out = []
         while self.waiting and budget > 0 and b.has_free_slot:
             req = self.waiting[0]
+            if req.kv_remote is not None:
+                if not self._start_receiving(req):
+                    break
+                continue
             parent = req.prefix_parent
             if parent is not None:
-                if parent.status == Status.WAITING or (
+                if parent.status in (Status.WAITING, Status.WAITING_FOR_REMOTE_KVS) or (
                     parent.status == Status.RUNNING and parent.num_computed_tokens < parent.num_prompt_tokens
                 ):
                     break  # share the first sample's prompt blocks once they are computed
                 req.prefix_parent = None
             total = req.num_prompt_tokens + (0 if req.saved_output is None else len(req.saved_output))
             use_cache = self._may_use_cache(req)
-            hits = self._lookup(req, total) if use_cache else []
+            if not req.prefix_cacheable and parent is not None and parent.status == Status.RUNNING:
+                hits = parent.block_ids[: (total - 1) // bs]  # received KV is not in the prefix cache
+            else:
+                hits = self._lookup(req, total) if use_cache else []
             computed = len(hits) * bs
             k = min(total - computed, budget)
             need = blocks_needed(computed + k, bs) - len(hits)
@@ -281,7 +335,58 @@ class Scheduler:
     def _may_use_cache(self, req: Request) -> bool:
         # n > 1 samples share their prompt's blocks even with prefix caching off. Prompt logprobs
         # need every prompt position computed, so such requests skip the cache.
-        return (self.enable_prefix_caching or req.params.n > 1) and req.params.prompt_logprobs is None
+        return (self.enable_prefix_caching or req.params.n > 1) and req.params.prompt_logprobs is None \
+            and req.prefix_cacheable
+
+    # ------------------------------------------------------------------ KV from a prefill worker
+    def _start_receiving(self, req: Request) -> bool:
+        """Admits a request whose prompt's KV is on a prefill worker: a slot and the prompt's
+        blocks now, the transfer started; False (it waits) when the blocks are not free."""
+        need = blocks_needed(req.num_prompt_tokens, self.block_size)
+        if need > self.pool.num_free:
+            return False
+        self.waiting.popleft()
+        req.first_scheduled_time = time.monotonic()
+        self.queue_times.append(req.first_scheduled_time - req.arrival_time)
+        self.prompt_tokens_total += 1  # the last prompt token, computed here as a decode row
+        req.num_cached_tokens = req.kv_remote.num_cached_tokens
+        req.status = Status.WAITING_FOR_REMOTE_KVS
+        slot = self.batch.add(req, 0, self.pool.allocate(need))
+        self.receiving[req.request_id] = req
+        self.connector.start_load(req.request_id, req.kv_remote, self.batch.block_ids(slot))
+        return True
+
+    def _land_transfers(self) -> None:
+        """Frees the blocks of leases that ended, and moves requests whose transfer ended on:
+        into the running batch with their prompt but its last token computed, or, failed, out
+        with the error (``kv_load_failure_policy`` "fail") or back to the queue to compute their
+        prompt here ("recompute")."""
+        events = self.connector.poll()
+        for block_ids in events.freed:
+            self.pool.free(block_ids)
+        for request_id, error in events.landed:
+            req = self.receiving.pop(request_id, None)
+            if req is None:
+                continue
+            if req.status == Status.FINISHED:  # aborted while its bytes were being written
+                self._release(req)
+            elif error is None:
+                self.batch.num_computed[req.slot] = req.num_prompt_tokens - 1
+                req.kv_remote = None
+                req.status = Status.RUNNING
+                self.running.append(req)
+                self._running_slots = None
+            else:
+                self._release(req)
+                req.kv_remote = None
+                if self.connector.config.kv_load_failure_policy == "recompute":
+                    req.status = Status.WAITING
+                    req.prefix_cacheable = True
+                    self.prompt_tokens_total += req.num_prompt_tokens - 1
+                    self.waiting.appendleft(req)
+                else:
+                    req.status = Status.FINISHED
+                    self._failed.append((req, f"KV transfer failed: {error}"))
 
     def _lookup(self, req: Request, total: int) -> list[int]:
         """Block ids of the longest cached prefix, leaving at least one token to compute."""
@@ -328,7 +433,7 @@ class Scheduler:
                 clock.lap("grammar_ms")
         done = reasons != 0
         if done.any():
-            result.finished = self.finish_slots(ss[done])
+            result.finished, result.leases = self.finish_slots(ss[done], reasons[done])
         return result
 
     def _advance_grammars(self, slots: np.ndarray, token_ids: np.ndarray, rows: np.ndarray,
@@ -360,6 +465,8 @@ class Scheduler:
             self._register_full_blocks(req, start, start + n)
 
     def _register_full_blocks(self, req: Request, old_computed: int, new_computed: int) -> None:
+        if not req.prefix_cacheable:
+            return
         bs, row = self.block_size, self.batch.block_table[req.slot]
         for j in range(old_computed // bs, new_computed // bs):
             self.pool.register(int(row[j]), self._block_key(req, j))

@@ -27,6 +27,7 @@ FIELDS = (
     "num_generation_requests",  # decode rows in the batch
     "num_running",
     "num_waiting",
+    "num_waiting_for_kv",  # requests holding blocks while their prompt's KV arrives (decode worker)
     "kv_blocks_used",
     "num_preemptions",  # preemptions in this iteration
 )
