@@ -263,3 +263,16 @@ def test_a_bad_kv_transfer_config_names_the_field(text, message):
     with pytest.raises(ValueError, match="^--kv-transfer-config: .*" + message.replace("[", r"\[").replace(
             "$", r"\$")):
         KVTransferConfig.from_json(text)
+
+
+def test_data_parallel_engines_get_their_own_side_channel_and_engine_id():
+    """vLLM offsets the side-channel port by the data-parallel rank; a lease names its engine."""
+    from leanserve.engine.config import EngineConfig
+    from leanserve.engine.dp_client import DataParallelClient
+
+    kv = KVTransferConfig(kv_port=5600, engine_id="e")
+    client = DataParallelClient(EngineConfig(kv_transfer=kv).resolve(), [2], size=3)
+    assert [(e.config.engine.kv_transfer.kv_port, e.config.engine.kv_transfer.engine_id) for e in client.engines] \
+        == [(5600, "e-dp0"), (5601, "e-dp1"), (5602, "e-dp2")]
+    alone = DataParallelClient(EngineConfig(kv_transfer=kv).resolve(), [2], size=1)
+    assert alone.engines[0].config.engine.kv_transfer == kv

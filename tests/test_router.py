@@ -94,12 +94,17 @@ def wait_for(condition, timeout: float = 10.0, what: str = "condition"):
     return value
 
 
+def replica_args(kv_port: int) -> tuple[str, ...]:
+    """Every replica can hand off and receive KV (kv_both): the router decides who prefills."""
+    kv = {"kv_connector": "ZmqConnector", "kv_role": "kv_both", "kv_port": kv_port, "kv_transfer_timeout_s": 3}
+    return "--kv-cache-memory", "16M", "--api-key", KEY, "--kv-transfer-config", json.dumps(kv)
+
+
 @pytest.fixture(scope="module")
 def replicas(tiny_chat_model):
     """Two replicas, started at once; a test that restarts one puts the new one in its place."""
-    args = ("--kv-cache-memory", "16M", "--api-key", KEY)
     with ThreadPoolExecutor(2) as pool:
-        started = list(pool.map(lambda _: LiveServer(tiny_chat_model, *args), range(2)))
+        started = list(pool.map(lambda _: LiveServer(tiny_chat_model, *replica_args(free_port())), range(2)))
     yield started
     with ThreadPoolExecutor(2) as pool:
         list(pool.map(LiveServer.stop, started))
@@ -174,9 +179,10 @@ def test_answers_through_the_router_equal_a_replicas(router, replicas, path, bod
         assert same(ask(router.url, path, body), direct)
 
 
-def test_the_openai_client_through_the_router(router, replicas):
+@pytest.mark.parametrize("kind", ["lb", "pd"])
+def test_the_openai_client_through_the_router(routers, replicas, kind):
     via, direct = (openai.OpenAI(base_url=u + "/v1", api_key=KEY, max_retries=0, timeout=60)
-                   for u in (router.url, replicas[0].url))
+                   for u in (routers[kind].url, replicas[0].url))
     model = via.models.list().data[0].id
     assert model == direct.models.list().data[0].id
     kw = dict(model=model, prompt="Once upon a time", max_tokens=10, temperature=0)
@@ -259,7 +265,11 @@ def test_a_client_that_leaves_aborts_the_upstream_request(router, replicas):
     assert _settled_generated(replicas) - now < 2000
 
 
-def test_64_concurrent_streams_lose_nothing(router, replicas):
+@pytest.mark.parametrize("kind", ["lb", "pd"])
+def test_64_concurrent_streams_lose_nothing(routers, replicas, kind):
+    """Through the load balancer, half go to each replica; through prefill -> decode, every one
+    is prefilled on a and decoded on b from the KV it received."""
+    router, (a, b) = routers[kind], replicas
     prompts = [f"stream number {i % 8}" for i in range(64)]
     want = {p: ask(replicas[0].url, "/v1/completions", {"prompt": p, "max_tokens": 8, "temperature": 0,
                                                          "ignore_eos": True})[1]["choices"][0]["text"]
@@ -283,23 +293,37 @@ def test_64_concurrent_streams_lose_nothing(router, replicas):
                                      limits=httpx.Limits(max_connections=64)) as c:
             return await asyncio.gather(*(one(c, p) for p in prompts))
 
-    before = [served(s) for s in replicas]
+    before, pulled = [served(s) for s in replicas], kv_pulled(b)
     assert asyncio.run(main()) == [want[p] for p in prompts]
-    assert [served(s) - b for s, b in zip(replicas, before)] == [32, 32]
+    assert [served(s) - n for s, n in zip(replicas, before)] == ([32, 32] if kind == "lb" else [64, 64])
     assert metric(router.url, "leanserve:router_requests_in_flight") == 0
+    if kind == "pd":
+        wait_for(lambda: kv_pulled(b) - pulled == 64, what="64 transfers counted")
+        assert metric(a.url, "leanserve:kv_leases") == 0
 
 
 # ------------------------------------------------------------------------------ disaggregated prefill/decode
 
 
+@pytest.mark.parametrize("n", [1, 2])
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 @pytest.mark.parametrize("path,body", [COMPLETION, CHAT], ids=["completions", "chat"])
-def test_prefill_then_decode_answers_equal_a_replicas(pd_router, replicas, path, body, stream):
+def test_prefill_then_decode_answers_equal_a_replicas(pd_router, replicas, path, body, stream, n):
+    """The decode worker receives the prompt's KV (and computes its last token) and answers as a
+    single server: text, logprobs, stop strings, finish reasons, usage, SSE framing."""
     a, b = replicas
-    body = {**body, "stream": stream, **({"stream_options": {"include_usage": True}} if stream else {})}
-    before = routed(pd_router, a, "prefill"), routed(pd_router, b, "decode")
+    body = {**body, "n": n, "stream": stream, **({"stream_options": {"include_usage": True}} if stream else {})}
+    # Usage reports the prefill worker's prefix-cache hits, as a single server would: the prompt
+    # is in a's cache from here on, so the two answers below see the same cache.
+    ask(a.url, path, body)
+    before = routed(pd_router, a, "prefill"), routed(pd_router, b, "decode"), kv_pulled(b)
     assert same(ask(pd_router.url, path, body), ask(a.url, path, body))
     assert (routed(pd_router, a, "prefill"), routed(pd_router, b, "decode")) == (before[0] + 1, before[1] + 1)
+    wait_for(lambda: kv_pulled(b) == before[2] + 1, what="the decode worker's transfer to be counted")
+
+
+def kv_pulled(replica: LiveServer) -> float:
+    return metric(replica.url, "leanserve:kv_transfers_completed_total")
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
@@ -324,10 +348,83 @@ def test_a_failed_prefill_never_reaches_decode(pd_router, replicas):
     assert routed(pd_router, b, "decode") == before
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="workers do not hand off KV yet: `leanserve serve` has no --kv-transfer-config and "
-                          "ignores kv_transfer_params (issue 13), so the prefill answer carries no "
-                          "kv_transfer_params and the decode worker computes the whole prompt again")
+def test_clients_that_leave_a_disaggregated_request_leak_no_lease_or_block(pd_router, replicas):
+    """Streams cut after their first token, and non-streaming requests given up at once, at
+    every stage of the flow: afterwards both workers hold no lease and no KV block."""
+    a, b = replicas
+    body = {"prompt": "leave me " * 40, "max_tokens": 200, "ignore_eos": True, "temperature": 0}
+
+    async def leave(c: httpx.AsyncClient, i: int) -> None:
+        if i % 2:
+            with contextlib.suppress(httpx.TimeoutException):
+                await c.post("/v1/completions", json={**body, "seed": i}, timeout=0.05 * (i % 7))
+            return
+        async with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    return
+
+    async def main():
+        async with httpx.AsyncClient(base_url=pd_router.url, headers=AUTH, timeout=60) as c:
+            await asyncio.gather(*(leave(c, i) for i in range(32)))
+
+    asyncio.run(main())
+    for replica in replicas:
+        wait_for(lambda: metric(replica.url, "leanserve:kv_cache_usage_perc") == 0 and
+                 metric(replica.url, "leanserve:num_requests_running") == 0, timeout=30,
+                 what=f"{replica.url} to free every block")
+    assert metric(a.url, "leanserve:kv_leases") == 0 and metric(b.url, "leanserve:num_requests_waiting_for_kv") == 0
+    assert metric(a.url, "leanserve:kv_leases_expired") == 0  # each released or pulled, none left to expire
+
+
+def prefill_params(replica: LiveServer, prompt: str) -> dict:
+    """A prefill leg sent straight to a worker: the kv_transfer_params its answer gives."""
+    status, answer = ask(replica.url, "/v1/completions", {"prompt": prompt, "max_tokens": 1, "temperature": 0,
+                                                          "ignore_eos": True,
+                                                          "kv_transfer_params": {"do_remote_decode": True}})
+    assert status == 200 and answer["kv_transfer_params"]["do_remote_prefill"] is True
+    return answer["kv_transfer_params"]
+
+
+def test_a_transfer_that_never_completes_fails_its_request_within_the_timeout(replicas):
+    """Params naming a side channel nobody answers (a prefill worker that died): the decode
+    worker fails that request with a clear error within kv_transfer_timeout_s (3 s here) and
+    frees its blocks; a stream running beside it is unaffected."""
+    a, b = replicas
+    params = {"do_remote_prefill": True, "remote_engine_id": "gone", "remote_request_id": 1, "remote_epoch": 1,
+              "remote_block_ids": [1, 2, 3], "remote_host": "127.0.0.1", "remote_port": free_port()}
+    body = {"prompt": "a prompt whose prefill worker is gone " * 4, "max_tokens": 8, "temperature": 0}
+    beside = {"prompt": "beside", "max_tokens": 150, "ignore_eos": True, "temperature": 0, "stream": True}
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(ask, b.url, "/v1/completions", beside)
+        start = time.monotonic()
+        status, err = ask(b.url, "/v1/completions", {**body, "kv_transfer_params": params})
+        took = time.monotonic() - start
+        assert running.result()[0] == 200 and len(running.result()[1]) >= 150
+    assert status == 500 and "within kv_transfer_timeout_s=3" in err["error"]["message"], err
+    assert 3 <= took < 10
+    wait_for(lambda: metric(b.url, "leanserve:kv_cache_usage_perc") == 0, what="b to free the request's blocks")
+    assert metric(b.url, "leanserve:kv_transfers_failed_total") >= 1
+
+
+def test_a_decode_worker_with_another_block_size_is_refused_naming_it(replicas, tiny_chat_model):
+    a, _ = replicas
+    other = LiveServer(tiny_chat_model, *replica_args(free_port()), "--block-size", "8")
+    try:
+        prompt = "mismatched workers " * 6
+        for stream in (False, True):
+            r = httpx.post(other.url + "/v1/completions", headers=AUTH, timeout=60, json={
+                "prompt": prompt, "max_tokens": 4, "temperature": 0, "stream": stream,
+                "kv_transfer_params": prefill_params(a, prompt)})
+            message = r.json()["error"]["message"] if not stream else json.loads(r.text.split("\n\n")[0][6:])[
+                "error"]["message"]
+            assert (r.status_code, "block_size: 16 on the prefill worker, 8 on the decode worker" in message) == \
+                   (500 if not stream else 200, True), message
+        wait_for(lambda: metric(a.url, "leanserve:kv_leases") == 0, what="the refused leases to be freed")
+    finally:
+        other.stop()
+
+
 def test_the_decode_worker_receives_the_prompts_kv_instead_of_computing_it(pd_router, replicas):
     a, b = replicas
     prompt = "a prompt no earlier test sent, so no prefix cache holds it: " + " ".join(["kv"] * 64)
@@ -346,6 +443,8 @@ def test_a_killed_replica_leaves_rotation_and_returns_when_restarted(routers, re
                                                                      monkeypatch):
     lb, lazy, pd = routers["lb"], routers["lazy"], routers["pd"]
     a, b = replicas
+    kv_port = json.loads(a.proc.args[-1])["kv_port"]
+    old_params = prefill_params(a, "from a worker's former life " * 4)
     # The lazy router's first pick is replica a: a stream on it when it dies is cut, not retried
     # (its first bytes are out), and the client sees an incomplete answer.
     body = {"prompt": "cut short", "max_tokens": 2000, "ignore_eos": True, "stream": True}
@@ -382,15 +481,23 @@ def test_a_killed_replica_leaves_rotation_and_returns_when_restarted(routers, re
     assert routed(pd, b, "decode") == decoded
     wait_for(lambda: httpx.get(pd.url + "/health").status_code == 503, what="the pd router's /health to be 503")
 
-    # Restarted on the same address, it is back in rotation within a health interval.
+    # Restarted on the same address (HTTP and side channel), with a new engine id, it is back in
+    # rotation within a health interval; params of its former life are refused naming that.
     monkeypatch.setattr(server_util, "free_port", lambda: a.port)
-    replicas[0] = a = LiveServer(tiny_chat_model, "--kv-cache-memory", "16M", "--api-key", KEY)
+    replicas[0] = a = LiveServer(tiny_chat_model, *replica_args(kv_port))
     wait_for(lambda: metric(lb.url, "leanserve:router_backend_up", backend=a.url) == 1, what="a back in rotation")
     before = served(a)
     for i in range(4):
         assert ask(lb.url, "/v1/completions", {"prompt": f"back {i}", "max_tokens": 2})[0] == 200
     assert served(a) - before == 2
     wait_for(lambda: httpx.get(pd.url + "/health").status_code == 200, what="the pd router's /health to be 200")
+    status, err = ask(b.url, "/v1/completions", {"prompt": "from a worker's former life " * 4, "max_tokens": 4,
+                                                  "kv_transfer_params": old_params})
+    assert status == 500 and f"engine {old_params['remote_engine_id']} is not this prefill worker's" in \
+        err["error"]["message"]
+    pulled = kv_pulled(b)
+    assert ask(pd.url, "/v1/completions", {"prompt": "after the restart", "max_tokens": 4})[0] == 200
+    wait_for(lambda: kv_pulled(b) == pulled + 1, what="b to pull KV from the restarted worker")
 
 
 # ------------------------------------------------------------------------------ no processes

@@ -94,8 +94,13 @@ def cmd_chat(a) -> None:
 def cmd_serve(a) -> None:
     from .server.app import ServerConfig, serve
 
+    engine = _engine_config(a)
+    if a.kv_transfer_config is not None:
+        from .engine.kv_transfer.config import KVTransferConfig
+
+        engine.kv_transfer = KVTransferConfig.from_json(a.kv_transfer_config).with_engine_id()
     # build_app resolves the flags before any process starts: a bad one is a line from main().
-    serve(ServerConfig(engine=_engine_config(a), host=a.host, port=a.port, served_model_name=a.served_model_name,
+    serve(ServerConfig(engine=engine, host=a.host, port=a.port, served_model_name=a.served_model_name,
                        api_key=a.api_key, max_waiting_requests=a.max_waiting_requests,
                        max_request_body_bytes=a.max_request_body_bytes, shutdown_timeout=a.shutdown_timeout,
                        watchdog_timeout=a.watchdog_timeout, data_parallel_size=a.data_parallel_size,
@@ -163,6 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sampling defaults (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens) "
                         "from a generation_config.json: auto (the model's), leanserve (none) or a directory; "
                         "request fields override them")
+    s.add_argument("--kv-transfer-config", default=None, metavar="JSON",
+                   help='disaggregated serving, vLLM\'s fields: \'{"kv_connector":"ZmqConnector","kv_role":"kv_both",'
+                        '"kv_port":5600}\' (kv_role: kv_producer, kv_consumer or kv_both; also kv_ip, '
+                        'kv_transfer_timeout_s, kv_lease_timeout_s, kv_load_failure_policy)')
     s.set_defaults(func=cmd_serve)
 
     r = sub.add_parser("router", help="OpenAI-compatible proxy: load-balances replicas (--backend) or runs "

@@ -29,6 +29,7 @@ import zmq
 import zmq.asyncio
 
 from .config import ResolvedConfig
+from .kv_transfer.messages import RemotePrefill
 from .messages import (STATS_PERIOD_S, Abort, Add, EngineStats, FromEngine, Ready, Rejected, RequestIds, Step,
                        TokenEvent, demux)
 from .params import SamplingParams
@@ -137,12 +138,15 @@ class AsyncEngineClient:
         self._ctx.destroy(linger=0)
 
     # ------------------------------------------------------------------ requests
-    def submit(self, prompt: np.ndarray, params: SamplingParams) -> tuple[list[int], asyncio.Queue]:
+    def submit(self, prompt: np.ndarray, params: SamplingParams, do_remote_decode: bool = False,
+               remote_prefill: RemotePrefill | None = None) -> tuple[list[int], asyncio.Queue]:
         """Sends a request; returns its engine ids (one per sample) and the queue its events arrive on
-        as (sample index, TokenEvent). Either everything is registered and sent, or nothing is."""
+        as (sample index, TokenEvent). Either everything is registered and sent, or nothing is.
+        ``do_remote_decode``, ``remote_prefill``: disaggregated serving (``EngineCore.add_request``)."""
         self.check_admission(params.n)
         base = self._ids.take(params.n)
-        header = self._encoder.encode(Add(base, params, time.monotonic()))  # may raise: nothing held yet
+        add = Add(base, params, time.monotonic(), do_remote_decode, remote_prefill)
+        header = self._encoder.encode(add)  # may raise: nothing held yet
         ids = [base + i for i in range(params.n)]
         q: asyncio.Queue = asyncio.Queue()
         for i, rid in enumerate(ids):

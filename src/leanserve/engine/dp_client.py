@@ -18,10 +18,12 @@ import asyncio
 import dataclasses
 import os
 
+import msgspec
 import numpy as np
 
 from .async_client import AsyncEngineClient, EngineDeadError, EngineOverloaded
 from .config import ResolvedConfig
+from .kv_transfer.messages import RemotePrefill
 from .messages import Ready
 from .params import SamplingParams
 
@@ -37,8 +39,9 @@ class DataParallelClient:
             raise ValueError(f"data_parallel_size: must be >= 1, got {size}")
         config = _split_threads(config, size)
         self.engines = [
-            AsyncEngineClient(config, eos_token_ids, None if on_stats is None else _bind(on_stats, k),
-                              max_pending, watchdog_timeout, engine_index=k, id_base=k << ENGINE_ID_SHIFT)
+            AsyncEngineClient(_kv_side_channel(config, k, size), eos_token_ids,
+                              None if on_stats is None else _bind(on_stats, k), max_pending, watchdog_timeout,
+                              engine_index=k, id_base=k << ENGINE_ID_SHIFT)
             for k in range(size)
         ]
         self.max_pending = max_pending
@@ -59,10 +62,13 @@ class DataParallelClient:
         await asyncio.gather(*(e.shutdown() for e in self.engines))
 
     # ------------------------------------------------------------------ requests
-    def submit(self, prompt: np.ndarray, params: SamplingParams) -> tuple[list[int], asyncio.Queue]:
+    def submit(self, prompt: np.ndarray, params: SamplingParams, do_remote_decode: bool = False,
+               remote_prefill: RemotePrefill | None = None) -> tuple[list[int], asyncio.Queue]:
+        """``do_remote_decode``, ``remote_prefill``: disaggregated serving (``EngineCore.add_request``);
+        any engine takes either (a lease names the engine it is on)."""
         engine = self._pick(params.n)
         self._next = (engine.engine_index + 1) % len(self.engines)
-        return engine.submit(prompt, params)
+        return engine.submit(prompt, params, do_remote_decode, remote_prefill)
 
     def check_admission(self, n: int) -> None:
         """Raises unless some engine admits ``n`` more sequences now (the rotation stays put)."""
@@ -115,6 +121,16 @@ def _split_threads(config: ResolvedConfig, size: int) -> ResolvedConfig:
         return config
     threads = max(1, (os.cpu_count() or 1) // size)
     return dataclasses.replace(config, engine=dataclasses.replace(config.engine, threads=threads))
+
+
+def _kv_side_channel(config: ResolvedConfig, k: int, size: int) -> ResolvedConfig:
+    """Engine k of several: its own KV side channel, ``kv_port + k`` (vLLM offsets its side-channel
+    port by the data-parallel rank), and its own engine id."""
+    kv = config.engine.kv_transfer
+    if kv is None or size == 1:
+        return config
+    kv = msgspec.structs.replace(kv, kv_port=kv.kv_port + k, engine_id=f"{kv.engine_id}-dp{k}")
+    return dataclasses.replace(config, engine=dataclasses.replace(config.engine, kv_transfer=kv))
 
 
 def _bind(on_stats, engine_index: int):

@@ -2,7 +2,9 @@
 
 1. Prefill leg: the client's body with ``max_tokens=1`` (and ``max_completion_tokens=1`` if the
    client set it), ``stream=false``, ``kv_transfer_params={"do_remote_decode": true}``, to a
-   prefill worker; its whole answer is read.
+   prefill worker; its whole answer is read. A client whose own limit is one token gets no
+   ``kv_transfer_params`` there: its answer is final, and a worker would keep the prompt's KV
+   for a decode leg that never comes, until its lease expires.
 2. A prefill leg that fails never reaches a decode worker: any answer but a 200 (a 4xx for a
    bad request, a 5xx) goes to the client as the worker gave it; no answer at all is the
    router's 502 (or 503 when no prefill worker is up).
@@ -38,7 +40,7 @@ async def run(up: Upstream, prefill: Pool, decode: Pool, path: str, headers: Hea
     req = _json_object(body)
     # A body that is not a JSON object goes to the prefill worker as it is, which answers the 400
     # a single server would.
-    prefill_bytes = body if req is None else msgspec.json.encode(prefill_request(req))
+    prefill_bytes = body if req is None else msgspec.json.encode(prefill_request(req, chat))
     # Uncompressed, so the answer can be parsed here and, if final, relayed as it came.
     prefill_headers = [(k, v) for k, v in headers if k != b"accept-encoding"]
     response, content = await up.fetch(prefill, "POST", path, prefill_headers, prefill_bytes, clock)
@@ -66,8 +68,10 @@ def _json_object(body: bytes) -> dict | None:
     return req if isinstance(req, dict) else None
 
 
-def prefill_request(req: dict) -> dict:
-    body = {**req, "max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
+def prefill_request(req: dict, chat: bool) -> dict:
+    body = {**req, "max_tokens": 1, "stream": False}
+    if _client_max_tokens(req, chat) != 1:
+        body["kv_transfer_params"] = {"do_remote_decode": True}
     body.pop("stream_options", None)  # a server refuses it on a non-streaming request (400)
     if "max_completion_tokens" in req:  # chat: it takes precedence over max_tokens
         body["max_completion_tokens"] = 1

@@ -24,6 +24,7 @@ from starlette.responses import Response
 from .. import __version__
 from ..engine.dp_client import DataParallelClient
 from ..engine.config import EngineConfig
+from ..engine.stats import FIELDS
 from ..tokenizer import Tokenizer
 from ..tokenizer.chat_template import read_chat_template
 from .metrics import ServerMetrics
@@ -73,7 +74,7 @@ def build_app(cfg: ServerConfig) -> FastAPI:
         tokenizer.set_chat_template(read_chat_template(cfg.chat_template))
     defaults = sampling_defaults(cfg.generation_config, path)
     model_name = cfg.served_model_name or _default_name(path)
-    metrics = ServerMetrics(model_name, cfg.data_parallel_size)
+    metrics = ServerMetrics(model_name, cfg.data_parallel_size, kv_transfer=cfg.engine.kv_transfer is not None)
     engine = DataParallelClient(resolved, list(tokenizer.eos_token_ids), cfg.data_parallel_size,
                                 on_stats=metrics.on_engine_stats, max_pending=cfg.max_waiting_requests,
                                 watchdog_timeout=cfg.watchdog_timeout)
@@ -88,9 +89,13 @@ def build_app(cfg: ServerConfig) -> FastAPI:
             max_model_len=ready.max_model_len, vocab_size=ready.vocab_size, max_logprobs=cfg.engine.max_logprobs,
             tool_call_parser=cfg.tool_call_parser if cfg.enable_auto_tool_choice else None,
             sampling_defaults=defaults,
+            kv_transfer=cfg.engine.kv_transfer,
         )
         log.info("serving %s (%s) on http://%s:%d, %d KV blocks", model_name, path, cfg.host, cfg.port,
                  ready.num_kv_blocks)
+        if (kv := cfg.engine.kv_transfer) is not None:
+            log.info("KV transfer: %s, %s, engine %s, side channel %s:%d", kv.kv_connector, kv.kv_role, kv.engine_id,
+                     kv.kv_ip, kv.kv_port)
         try:
             yield
         finally:
@@ -174,16 +179,21 @@ def build_app(cfg: ServerConfig) -> FastAPI:
         return Response(state(request).metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/stats")
-    async def iteration_stats(request: Request, since: int | None = None):
+    async def iteration_stats(request: Request, since: int | None = None, rows: bool = False):
         """Engine counters and gauges (summed over data-parallel engines, each engine's own under
         ``engines``), the iteration count, and with ``since=<count>`` the p50/p95/p99 of every
-        iteration field recorded after that count (benchmarks read their own window this way)."""
+        iteration field recorded after that count (benchmarks read their own window this way);
+        with ``rows=true`` also the rows themselves, in ``fields`` order (benchmarks that select
+        their own iterations)."""
         s = state(request)
         out = s.metrics.engine_totals()
         its = s.metrics.iterations
         out["iterations_total"] = its.count
         if since is not None:
-            out["window"] = its.summary(last=max(0, its.count - since))
+            last = max(0, its.count - since)
+            out["window"] = its.summary(last=last)
+            if rows:
+                out["fields"], out["rows"] = list(FIELDS), its.window(last).tolist()
         return out
 
     return app

@@ -133,6 +133,24 @@ class FunctionName(BaseModel):
 class NamedToolChoice(BaseModel):
     type: Literal["function"] = "function"
     function: FunctionName
+class KVTransferParams(BaseModel):
+    """vLLM's ``kv_transfer_params`` (disaggregated serving; ignored by a server without
+    ``--kv-transfer-config``). On a request to a prefill worker: ``do_remote_decode``; in its
+    answer, and on the request to a decode worker: where the prompt's KV waits."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    remote_engine_id: str | None = None
+    remote_request_id: int | None = None
+    remote_block_ids: list[int] | None = None
+    remote_host: str | None = None
+    remote_port: int | None = None
+    # Not vLLM's: the lease's epoch (stale ids are refused), and the prompt tokens the prefill
+    # worker served from its prefix cache (the usage's cached_tokens, as a single server reports).
+    remote_epoch: int | None = None
+    remote_num_cached_tokens: int = 0
 
 
 class _SamplingFields(_Body):
@@ -160,6 +178,7 @@ class _SamplingFields(_Body):
     skip_special_tokens: bool = True
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    kv_transfer_params: KVTransferParams | None = None
 
     def check_common(self) -> None:
         if self.stream_options is not None and not self.stream:

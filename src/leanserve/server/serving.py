@@ -27,12 +27,14 @@ from starlette.responses import Response, StreamingResponse
 from ..engine.async_client import EngineDeadError, EngineOverloaded
 from ..engine.dp_client import DataParallelClient
 from ..engine.core import prompt_from_token_ids, validate_request
+from ..engine.kv_transfer.config import KVTransferConfig
+from ..engine.kv_transfer.messages import KVLease, RemotePrefill
 from ..engine.output_processor import CompletionOutput, EngineRequestError, RequestOutputState, SampleDelta
 from ..engine.params import SamplingParams
 from ..tokenizer import Tokenizer
 from .metrics import ServerMetrics
-from .protocol import (APIError, ChatCompletionRequest, ChatMessage, CompletionRequest, bad_request_from,
-                       error_body, error_type)
+from .protocol import (APIError, ChatCompletionRequest, ChatMessage, CompletionRequest, KVTransferParams,
+                       bad_request_from, error_body, error_type)
 from .structured_outputs import constraint, resolve_tool_choice
 from .tool_calls import make_parser, parse_all
 
@@ -51,6 +53,7 @@ class ServerState:
     max_logprobs: int
     tool_call_parser: str | None = None  # set with --enable-auto-tool-choice: tool_choice "auto" works
     sampling_defaults: dict = field(default_factory=dict)  # --generation-config; request fields override
+    kv_transfer: KVTransferConfig | None = None  # disaggregated serving: this worker's role
 
 
 def usage_json(gens: list[Generation]) -> dict:
@@ -69,18 +72,22 @@ class Generation:
     ``contextlib.aclosing``; ``start_all`` submits several all-or-nothing.
     """
 
-    def __init__(self, state: ServerState, prompt: np.ndarray, params: SamplingParams, index_base: int = 0):
+    def __init__(self, state: ServerState, prompt: np.ndarray, params: SamplingParams, index_base: int = 0,
+                 kv: KVHandOff | None = None):
+        kv = kv or KVHandOff()
         try:
-            self.ids, self._queue = state.engine.submit(prompt, params)
+            self.ids, self._queue = state.engine.submit(prompt, params, kv.do_remote_decode, kv.remote_prefill)
         except (EngineDeadError, EngineOverloaded) as e:
             raise APIError(503, str(e)) from None
         self.prompt_len = len(prompt)
         self.output = RequestOutputState(state.tokenizer, params)
+        self.kv_lease: KVLease | None = None  # a prefill's blocks, kept for the decode worker
         self._state, self._index_base = state, index_base
         self._events = self._deltas()
 
     @staticmethod
-    def start_all(state: ServerState, jobs: list[tuple[np.ndarray, SamplingParams, int]]) -> list[Generation]:
+    def start_all(state: ServerState,
+                  jobs: list[tuple[np.ndarray, SamplingParams, int, KVHandOff]]) -> list[Generation]:
         started: list[Generation] = []
         try:
             for job in jobs:
@@ -104,6 +111,12 @@ class Generation:
             self._state.engine.abort([self.ids[i] for i in live])
             live.clear()
 
+    def release_kv_lease(self) -> None:
+        """No decode worker will pull this prefill's blocks: the engine frees them now."""
+        if self.kv_lease is not None:
+            self._state.engine.abort([self.kv_lease.request_id])
+            self.kv_lease = None
+
     async def _deltas(self) -> AsyncIterator[SampleDelta]:
         metrics, out = self._state.metrics, self.output
         start = time.monotonic()
@@ -115,6 +128,10 @@ class Generation:
             except EngineRequestError:
                 metrics.request_finished("error")
                 raise
+            if ev.kv_lease is not None:
+                self.kv_lease = ev.kv_lease
+                if d is None or d.finish_reason != "length":  # it ended on a stop string: nothing to decode
+                    self.release_kv_lease()
             if d is None:
                 continue
             now = time.monotonic()
@@ -167,6 +184,67 @@ async def merge(gens: list[Generation]) -> AsyncIterator[SampleDelta]:
             t.cancel()
         for g in gens:  # a pump cancelled before it started never entered its ``aclosing``
             g.abort()
+
+
+# ---------------------------------------------------------------------------------- disaggregated serving
+
+
+@dataclass
+class KVHandOff:
+    """What a request asks of KV transfer: keep its prompt's blocks for a decode worker, or take
+    its prompt's KV from a prefill worker's lease."""
+
+    do_remote_decode: bool = False
+    remote_prefill: RemotePrefill | None = None
+
+
+def _kv_hand_off(state: ServerState, params: KVTransferParams | None, num_prompts: int, stream: bool,
+                 prompt_logprobs: int | None) -> KVHandOff:
+    """A server without ``--kv-transfer-config`` ignores ``kv_transfer_params``, as it always did."""
+    if params is None or state.kv_transfer is None:
+        return KVHandOff()
+    if params.do_remote_prefill:
+        if num_prompts != 1:
+            raise APIError(400, "kv_transfer_params: a remote prefill holds one prompt's KV; this request has "
+                                f"{num_prompts} prompts", "kv_transfer_params")
+        return KVHandOff(remote_prefill=_remote_prefill(params))
+    # A decode worker takes the KV of one prompt, and computes only its last position: a stream, or
+    # a request for every prompt position's logprobs, is answered here in full (as vLLM's prefill
+    # leg, only a whole answer hands off).
+    hand_off = params.do_remote_decode and state.kv_transfer.is_producer and not stream and num_prompts == 1 \
+        and prompt_logprobs is None
+    return KVHandOff(do_remote_decode=hand_off)
+
+
+def _remote_prefill(p: KVTransferParams) -> RemotePrefill:
+    for name in ("remote_engine_id", "remote_request_id", "remote_block_ids", "remote_host", "remote_port",
+                 "remote_epoch"):
+        if getattr(p, name) is None:
+            raise APIError(400, f"kv_transfer_params.{name}: required with do_remote_prefill",
+                           f"kv_transfer_params.{name}")
+    return RemotePrefill(p.remote_engine_id, p.remote_request_id, p.remote_epoch, p.remote_block_ids,
+                         p.remote_host, p.remote_port, p.remote_num_cached_tokens)
+
+
+def _kv_transfer_params(gen: Generation) -> dict | None:
+    """The answer's ``kv_transfer_params`` (vLLM's fields): where the decode worker finds the KV."""
+    lease = gen.kv_lease
+    if lease is None:
+        return None
+    return {"do_remote_decode": False, "do_remote_prefill": True, "remote_engine_id": lease.engine_id,
+            "remote_request_id": lease.request_id, "remote_block_ids": lease.block_ids, "remote_host": lease.host,
+            "remote_port": lease.port, "remote_epoch": lease.epoch,
+            "remote_num_cached_tokens": lease.num_cached_tokens}
+
+
+async def _collect_answer(request: Request, deltas: AsyncIterator[SampleDelta], n_choices: int,
+                          gens: list[Generation]) -> list[CompletionOutput]:
+    """A whole answer's choices; a prefill's kept blocks are released if it cannot be given."""
+    try:
+        return await _collect_unless_disconnected(request, deltas, n_choices)
+    except BaseException:
+        gens[0].release_kv_lease()
+        raise
 
 
 # ---------------------------------------------------------------------------------- helpers
@@ -340,9 +418,11 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
         _validate(state, len(ids), params)
         per_prompt.append(params)
     _check_capacity(state, req.n * len(prompts), "n" if len(prompts) == 1 else "prompt")
+    kv = _kv_hand_off(state, req.kv_transfer_params, len(prompts), req.stream, per_prompt[0].prompt_logprobs)
 
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-    gens = Generation.start_all(state, [(ids, p, k * req.n) for k, ((_, ids), p) in enumerate(zip(prompts, per_prompt))])
+    gens = Generation.start_all(state, [(ids, p, k * req.n, kv)
+                                        for k, ((_, ids), p) in enumerate(zip(prompts, per_prompt))])
     deltas = merge(gens)
     tok = state.tokenizer
     head = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name}
@@ -377,7 +457,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
             if req.stream_options and req.stream_options.include_usage else None
         return _sse_response(_stream(deltas, chunk, usage_chunk), gens)
 
-    choices = await _collect_unless_disconnected(request, deltas, len(prompts) * req.n)
+    choices = await _collect_answer(request, deltas, len(prompts) * req.n, gens)
     out = []
     for c in choices:
         text = c.text
@@ -389,7 +469,10 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
             if lp is not None:
                 lp = _echo_logprobs(tok, prompt_ids, gens[c.index // req.n].output.prompt_logprobs, lp)
         out.append({"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})
-    return Response(_json({**head, "choices": out, "usage": usage_json(gens)}), media_type="application/json")
+    body = {**head, "choices": out, "usage": usage_json(gens)}
+    if (kv_params := _kv_transfer_params(gens[0])) is not None:
+        body["kv_transfer_params"] = kv_params
+    return Response(_json(body), media_type="application/json")
 
 
 def _echo_logprobs(tok, prompt_ids, prompt_lps, lp):
@@ -443,9 +526,10 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         params.skip_special_tokens = False  # a model's tool-call tags may be special tokens (vLLM does the same)
     _validate(state, len(ids), params)
     _check_capacity(state, req.n, "n")
+    kv = _kv_hand_off(state, req.kv_transfer_params, 1, req.stream, None)
 
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-    gens = [Generation(state, ids, params)]
+    gens = [Generation(state, ids, params, kv=kv)]
     deltas = merge(gens)
     head = {"id": rid, "created": created, "model": state.model_name}
 
@@ -494,7 +578,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
             if req.stream_options and req.stream_options.include_usage else None
         return _sse_response(_stream(deltas, chunk, usage_chunk), gens)
 
-    choices = await _collect_unless_disconnected(request, deltas, req.n)
+    choices = await _collect_answer(request, deltas, req.n, gens)
     out = []
     for c in choices:
         message, reason = {"role": "assistant", "content": c.text}, c.finish_reason
@@ -506,5 +590,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
             reason = finish_reason(reason, bool(calls))
         out.append({"index": c.index, "message": message, "logprobs": logprobs_json(c.logprobs),
                     "finish_reason": reason})
-    return Response(_json({**head, "object": "chat.completion", "choices": out, "usage": usage_json(gens)}),
-                    media_type="application/json")
+    body = {**head, "object": "chat.completion", "choices": out, "usage": usage_json(gens)}
+    if (kv_params := _kv_transfer_params(gens[0])) is not None:
+        body["kv_transfer_params"] = kv_params
+    return Response(_json(body), media_type="application/json")

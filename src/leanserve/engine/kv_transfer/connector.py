@@ -58,7 +58,8 @@ class KVConnector:
         """Keeps a finished prefill's blocks for a decode worker; the caller no longer frees them."""
         lease = self.leases.create(request_id, block_ids)
         self.counters.leases_created += 1
-        return KVLease(request_id, lease.epoch, block_ids, num_cached_tokens)
+        cfg = self.config
+        return KVLease(request_id, lease.epoch, block_ids, num_cached_tokens, cfg.engine_id, cfg.kv_ip, cfg.kv_port)
 
     def drop_lease(self, request_id: int) -> list[int] | None:
         """Block ids to free of a lease nobody will pull; None if there is none (any more)."""

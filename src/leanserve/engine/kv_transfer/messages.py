@@ -48,13 +48,16 @@ class RemotePrefill(msgspec.Struct, array_like=True, gc=False):
 
 
 class KVLease(msgspec.Struct, array_like=True, gc=False):
-    """A finished prefill's blocks, kept for a decode worker to pull (what the engine reports;
-    the API process adds its engine id and side-channel address)."""
+    """A finished prefill's blocks, kept for a decode worker to pull: what the engine reports, and
+    where it is (an API process may front several engines, each with its own side channel)."""
 
     request_id: int
     epoch: int
     block_ids: list[int]
     num_cached_tokens: int
+    engine_id: str
+    host: str
+    port: int
 
 
 # ------------------------------------------------------------------ side channel, decode -> prefill
