@@ -27,9 +27,10 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
 def engine(role: str | None = "kv_both", seed: int = 0, dtype=torch.float32, engine_id: str | None = None,
-           port: int | None = None, **kw) -> EngineCore:
+           port: int | None = None, extra: dict | None = None, **kw) -> EngineCore:
     kv = None if role is None else KVTransferConfig(kv_role=role, kv_port=port or free_port(), engine_id=engine_id,
-                                                    kv_transfer_timeout_s=kw.pop("timeout", 10.0)).with_engine_id()
+                                                    kv_transfer_timeout_s=kw.pop("timeout", 10.0),
+                                                    kv_connector_extra_config=extra or {}).with_engine_id()
     kw = dict(max_num_seqs=8, max_model_len=512, kv_cache_memory=4 << 20) | kw
     cfg = EngineConfig(kv_transfer=kv, dtype=str(dtype).removeprefix("torch."), **kw)
     return EngineCore(cfg, model=tiny_model(512, seed=seed).to(dtype))
@@ -104,6 +105,18 @@ def test_a_decode_engine_decodes_from_pulled_kv_what_one_engine_would(engines):
     assert p.kv.pool.num_used == 0 and p.connector.leases.num_held == 0
     assert d.connector.counters.loads_completed == 4 and d.connector.counters.bytes_received == \
         p.connector.counters.bytes_sent > 0
+
+
+def test_the_copy_bug_lands_the_same_bytes_from_the_loop_thread(engines):
+    """``leanserve bench disagg --copy-bug`` must measure a correct engine with the copy moved."""
+    p, d = engines("kv_producer"), engines("kv_consumer", extra={"copy_bug": True})
+    ids = prompt(50)
+    remote = prefill(p, 1, ids)
+    sent = block_array(p.kv)[remote.block_ids].copy()
+    d.add_request(2, ids, GREEDY, remote_prefill=remote)
+    assert len(tokens(run(d, [2])[2])) == GREEDY.max_tokens
+    full = (len(ids) - 1) // 16
+    assert np.array_equal(block_array(d.kv)[d.scheduler.batch.block_table[0, :full]], sent[:full])
 
 
 def test_n_samples_share_the_received_prompt(engines):

@@ -118,9 +118,9 @@ def cmd_router(a) -> None:
 
 
 def cmd_bench(a) -> None:
-    from .bench import host, serve, soak
+    from .bench import disagg, host, serve, soak
 
-    {"host": host.main, "serve": serve.main, "soak": soak.main}[a.bench_command](a.bench_args)
+    {"host": host.main, "serve": serve.main, "soak": soak.main, "disagg": disagg.main}[a.bench_command](a.bench_args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -188,9 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how often each backend's /health is polled (a failing one leaves rotation until it answers)")
     r.set_defaults(func=cmd_router)
 
-    b = sub.add_parser("bench", help="benchmarks: `host` (executor host path), `serve` (load generator) "
-                                     "or `soak` (reliability under a mixed workload)")
-    b.add_argument("bench_command", choices=["host", "serve", "soak"])
+    b = sub.add_parser("bench", help="benchmarks: `host` (executor host path), `serve` (load generator), "
+                                     "`soak` (reliability under a mixed workload) or `disagg` (a decode worker's "
+                                     "host path while long prompts' KV arrives)")
+    b.add_argument("bench_command", choices=["host", "serve", "soak", "disagg"])
     b.add_argument("bench_args", nargs=argparse.REMAINDER)
     b.set_defaults(func=cmd_bench)
     return parser

@@ -170,6 +170,12 @@ def _targets(model: Transformer) -> dict[str, tuple[torch.Tensor, int, int]]:
     return out
 
 
+def checkpoint_tensors(model: Transformer) -> dict[str, torch.Tensor]:
+    """The model's weights under their Hugging Face names: what loading reads, for writing a
+    checkpoint (benchmarks serve random models this way)."""
+    return {name: p.data[start:end].contiguous() for name, (p, start, end) in _targets(model).items()}
+
+
 def _fill(model: Transformer, tensors: Iterator[tuple[str, torch.Tensor]], source: str) -> None:
     targets = _targets(model)
     seen = set()

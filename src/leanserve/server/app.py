@@ -184,7 +184,7 @@ def build_app(cfg: ServerConfig) -> FastAPI:
         ``engines``), the iteration count, and with ``since=<count>`` the p50/p95/p99 of every
         iteration field recorded after that count (benchmarks read their own window this way);
         with ``rows=true`` also the rows themselves, in ``fields`` order (benchmarks that select
-        their own iterations)."""
+        their own iterations), and the latest KV transfer times."""
         s = state(request)
         out = s.metrics.engine_totals()
         its = s.metrics.iterations
@@ -194,6 +194,7 @@ def build_app(cfg: ServerConfig) -> FastAPI:
             out["window"] = its.summary(last=last)
             if rows:
                 out["fields"], out["rows"] = list(FIELDS), its.window(last).tolist()
+                out["kv_transfer_times_s"] = list(s.metrics.kv_transfer_times)
         return out
 
     return app

@@ -1,0 +1,435 @@
+"""``leanserve bench disagg``: issue 13's scenario. A decode worker decodes at concurrency 64
+while requests with long prompts keep arriving through a prefill worker; does receiving their
+KV cost the decode loop anything?
+
+Processes, all started here on loopback, serving a tiny random Llama (2 layers, the default
+model's 49,152-token vocabulary, 32k+ context) written to a temporary directory:
+
+* prefill worker (``--kv-transfer-config`` kv_producer), decode worker (kv_consumer), and
+  ``leanserve router --prefill --decode`` in front of them;
+* later, for the latency comparison, one aggregated server (no KV transfer).
+
+Each engine computes with one torch thread. The decode worker's engine process may use every
+core (its loop, and the transfer threads beside it); the prefill worker, the API processes, the
+router and this client are pinned to the last core, so the decode loop has the first to itself
+(on a 2-core machine: core 0 for the decode engine, core 1 for the rest; other load on the
+machine is not controlled).
+
+Measured:
+
+* host step time p50/p95/p99 of the decode worker's iterations that are exactly the 64 decode
+  rows, before, during and after a stream of long-prompt requests (goal: p99 during / before
+  <= 1.2), and during, split by whether transfers were in flight. Iterations that also run a
+  received request's rows are left out: today's decode attention pads every row to the longest
+  context in the batch, so one 32k-token row makes a 64-row step ~10x slower, which says nothing
+  about the host path;
+* the loop's own work in every decode iteration, those included: fetch + schedule + prepare +
+  output, the phases outside the model runner (schedule is where transfers land);
+* the transfers: count, MB/s and latency (pull sent -> blocks written);
+* TTFT and TPOT of the same requests through the router and against an aggregated server, and
+  the router's own added latency (its histogram);
+* ``--copy-bug``: the same run with the decode worker copying received KV on its loop thread
+  (``kv_connector_extra_config: {"copy_bug": true}``), to show the measurement catches that
+  class of bug.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from types import SimpleNamespace
+
+import httpx
+import numpy as np
+import torch
+
+from ..engine.stats import FIELDS
+from ..model.config import ModelConfig
+from ..model.loader import checkpoint_tensors, default_model_path
+from ..model.transformer import Transformer
+from .serve import one_request, summarize
+
+VOCAB = 49152  # the default model's tokenizer serves the random model
+STARTUP_S = 300.0
+
+
+# ---------------------------------------------------------------------------------- the model
+
+
+def write_tiny_model(path: str, max_len: int, seed: int = 0) -> str:
+    """A random Llama as a Hugging Face directory: config.json, safetensors, the default tokenizer."""
+    from safetensors.torch import save_file
+
+    from ..tokenizer import Tokenizer
+
+    cfg = ModelConfig(architecture="llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
+                      max_position_embeddings=max_len, tie_word_embeddings=True, eos_token_ids=(2,))
+    model = Transformer(cfg, torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.data.normal_(0, 0.3, generator=g)
+    os.makedirs(path, exist_ok=True)
+    save_file(checkpoint_tensors(model), os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({"model_type": "llama", "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128,
+                   "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                   "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": max_len,
+                   "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2}, f)
+    Tokenizer.from_pretrained(default_model_path()).backend.save(os.path.join(path, "tokenizer.json"))
+    return path
+
+
+# ---------------------------------------------------------------------------------- processes
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of a process onto ``cpus``."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except ProcessLookupError:
+            pass
+
+
+class Process:
+    """A ``leanserve`` process on a free loopback port, ready once /health answers 200."""
+
+    def __init__(self, args: list[str], cpus: set[int] | None, log_path: str):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}  # one torch thread per engine
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "leanserve.cli", *args, "--port", str(self.port)],
+                                     stdout=self.log, stderr=subprocess.STDOUT, env=env,
+                                     preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
+        deadline = time.monotonic() + STARTUP_S
+        while True:
+            if self.proc.poll() is not None:
+                sys.exit(f"leanserve bench disagg: {args[0]} exited during start-up (log: {log_path})")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                sys.exit(f"leanserve bench disagg: {args[0]} not healthy after {STARTUP_S:g} s (log: {log_path})")
+            time.sleep(0.25)
+
+    def engine_pid(self) -> int:
+        out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(self.proc.pid)], capture_output=True, text=True)
+        for pid in map(int, out.stdout.split()):
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"spawn_main" in f.read():
+                    return pid
+        raise RuntimeError("no engine process")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def _serve_args(model: str, a, kv: dict | None, max_num_seqs: int) -> list[str]:
+    args = ["serve", model, "--dtype", "float32", "--max-model-len", str(a.max_model_len), "--max-num-seqs",
+            str(max_num_seqs), "--kv-cache-memory", "1G", "--max-waiting-requests", "4096",
+            "--watchdog-timeout", "600"]
+    return args + (["--kv-transfer-config", json.dumps(kv)] if kv else [])
+
+
+# ---------------------------------------------------------------------------------- measuring
+
+
+def stats(url: str, since: int | None = None) -> dict:
+    params = {"since": since, "rows": "true"} if since is not None else {}
+    return httpx.get(url + "/stats", params=params, timeout=30).json()
+
+
+def _settled(url: str) -> dict:
+    time.sleep(0.7)  # iteration rows and counters arrive with the engine's snapshots (every 0.5 s)
+    return stats(url)
+
+
+def _pcts(xs) -> dict:
+    xs = np.asarray(xs, np.float64)
+    if not len(xs):
+        return {"n": 0}
+    return {"n": int(len(xs)), **{f"p{q}": float(np.percentile(xs, q)) for q in (50, 95, 99)},
+            "max": float(xs.max())}
+
+
+_F = {name: i for i, name in enumerate(FIELDS)}
+LOOP_PHASES = ("fetch_ms", "schedule_ms", "prepare_ms", "output_ms")
+
+
+def _window(rows: np.ndarray, counts: np.ndarray, start: int, end: int, decoders: int,
+            exactly: bool = True) -> np.ndarray:
+    """Decode iterations [start, end) (no prefill chunk) with exactly the decoders' rows, or
+    (``exactly`` False) at least those."""
+    sel = rows[(counts >= start) & (counts < end)]
+    gen = sel[:, _F["num_generation_requests"]]
+    return sel[((gen == decoders) if exactly else (gen >= decoders)) & (sel[:, _F["num_context_tokens"]] == 0)]
+
+
+def _host_step(sel: np.ndarray) -> dict:
+    return _pcts(sel[:, _F["host_step_ms"]])
+
+
+def _loop_work(sel: np.ndarray) -> dict:
+    return _pcts(sel[:, [_F[p] for p in LOOP_PHASES]].sum(axis=1))
+
+
+async def _wait_iterations(url: str, n: int, decoders: int, since: int) -> None:
+    """Until the decode worker has run ``n`` iterations of exactly the decoders' rows."""
+    while True:
+        await asyncio.sleep(0.5)
+        s = await asyncio.to_thread(stats, url, since)
+        if len(s.get("rows") or []) and len(_window(np.asarray(s["rows"]), np.arange(since, since + len(s["rows"])),
+                                                     since, 1 << 62, decoders)) >= n:
+            return
+
+
+def _ids(rng: np.random.Generator, n: int) -> list[int]:
+    return rng.integers(100, VOCAB - 100, n).tolist()
+
+
+async def _decoders(c: httpx.AsyncClient, a, rng) -> list[asyncio.Task]:
+    """``a.decoders`` long generations through the router; returns once all of them decode."""
+    body = {"max_tokens": a.decoder_max_tokens, "ignore_eos": True, "temperature": 0.0}
+    tasks = [asyncio.create_task(c.post("/v1/completions", json={**body, "prompt": _ids(rng, a.decoder_prompt_len)}))
+             for _ in range(a.decoders)]
+    return tasks
+
+
+async def _long_stream(c: httpx.AsyncClient, a, prefix: list[int], rng, count: int) -> list[float]:
+    """``count`` long-prompt requests (a shared prefix, so the prefill worker's cache serves most
+    of each: they arrive fast, and each still moves its whole prompt's KV), ``a.long_concurrency``
+    at a time. Returns their latencies."""
+    todo = iter(range(count))
+    latencies = []
+
+    async def worker():
+        for _ in todo:
+            t = time.perf_counter()
+            r = await c.post("/v1/completions", json={"prompt": prefix + _ids(rng, 64), "max_tokens": 2,
+                                                      "ignore_eos": True, "temperature": 0.0})
+            r.raise_for_status()
+            latencies.append(time.perf_counter() - t)
+
+    await asyncio.gather(*(worker() for _ in range(a.long_concurrency)))
+    return latencies
+
+
+async def _host_step_run(router: str, decode: str, a) -> dict:
+    rng = np.random.default_rng(a.seed)
+    prefix = _ids(rng, a.long_prompt_len - 64)
+    limits = httpx.Limits(max_connections=a.decoders + a.long_concurrency + 4)
+    async with httpx.AsyncClient(base_url=router, timeout=None, limits=limits) as c:
+        # Warm-up: the long prefix into the prefill worker's cache (its one slow prefill), one
+        # transfer of its KV, and the decoders running.
+        await _long_stream(c, SimpleNamespace(long_concurrency=1), prefix, rng, 1)
+        start = (await asyncio.to_thread(_settled, decode))["iterations_total"]
+        decoders = await _decoders(c, a, rng)
+        await _wait_iterations(decode, 20, a.decoders, start)
+        marks = {"before": (await asyncio.to_thread(stats, decode))["iterations_total"]}
+        await _wait_iterations(decode, a.window, a.decoders, marks["before"])
+        marks["during"] = (await asyncio.to_thread(stats, decode))["iterations_total"]
+        kv0 = (await asyncio.to_thread(stats, decode))["kv_transfer"]
+        t0 = time.perf_counter()
+        latencies = await _long_stream(c, a, prefix, rng, a.long_prompts)
+        stream_s = time.perf_counter() - t0
+        marks["after"] = (await asyncio.to_thread(_settled, decode))["iterations_total"]
+        await _wait_iterations(decode, a.window, a.decoders, marks["after"])
+        marks["end"] = (await asyncio.to_thread(stats, decode))["iterations_total"]
+        for t in decoders:
+            t.cancel()  # the client leaves: the router and the workers abort them
+        await asyncio.gather(*decoders, return_exceptions=True)
+    await asyncio.sleep(0.7)  # the last iteration rows arrive with the engine's next snapshot
+    s = await asyncio.to_thread(stats, decode, marks["before"])
+    rows, counts = np.asarray(s["rows"]), np.arange(marks["before"], marks["before"] + len(s["rows"]))
+    out = {"marks": marks, "host_step_ms": {}, "loop_work_ms": {}}
+    for name, (lo, hi) in {"before": ("before", "during"), "during": ("during", "after"),
+                           "after": ("after", "end")}.items():
+        out["host_step_ms"][name] = _host_step(_window(rows, counts, marks[lo], marks[hi], a.decoders))
+        out["loop_work_ms"][name] = _loop_work(_window(rows, counts, marks[lo], marks[hi], a.decoders, False))
+    during = _window(rows, counts, marks["during"], marks["after"], a.decoders)
+    pending = during[:, _F["num_waiting_for_kv"]] > 0
+    out["host_step_ms"]["during, transfers pending"] = _host_step(during[pending])
+    out["host_step_ms"]["during, none pending"] = _host_step(during[~pending])
+    for metric in ("host_step_ms", "loop_work_ms"):
+        out[metric]["p99 during / before"] = out[metric]["during"]["p99"] / out[metric]["before"]["p99"]
+    # Interleaved in time, so drift (contexts grow) and other load on the machine touch both alike.
+    out["host_step_ms"]["p99 pending / none pending"] = out["host_step_ms"]["during, transfers pending"]["p99"] / \
+        out["host_step_ms"]["during, none pending"]["p99"]
+    kv1 = s["kv_transfer"]
+    n = kv1["transfers_completed"] - kv0["transfers_completed"]
+    times = np.asarray(s["kv_transfer_times_s"][-n:]) if n else np.zeros(0)
+    mb = (kv1["received_bytes"] - kv0["received_bytes"]) / 1e6 / max(n, 1)
+    out["transfers"] = {"count": n, "failed": kv1["transfers_failed"] - kv0["transfers_failed"], "mb_each": mb,
+                        "latency_ms": _pcts(times * 1e3), "mb_per_s": _pcts(mb / times) if n else {"n": 0},
+                        "stream_s": stream_s, "long_request_latency_ms": _pcts(np.asarray(latencies) * 1e3)}
+    return out
+
+
+async def _latency_run(url: str, a, model: str) -> dict:
+    """TTFT / TPOT: ``a.latency_requests`` streaming requests of ``a.latency_prompt_len`` random
+    token ids and ``a.latency_output_len`` tokens, ``a.latency_concurrency`` at a time."""
+    rng = np.random.default_rng(a.seed + 7)
+    prompts = [_ids(rng, a.latency_prompt_len) for _ in range(a.latency_requests)]
+    opts = SimpleNamespace(backend="openai", ignore_eos=True, extra_body={})
+    sem = asyncio.Semaphore(a.latency_concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=600) as c:
+        async def one(p):
+            async with sem:
+                return await one_request(c, opts, model, p, len(p), a.latency_output_len, None)
+
+        t = time.perf_counter()
+        results = await asyncio.gather(*(one(p) for p in prompts))
+        duration = time.perf_counter() - t
+    s = summarize(results, duration)
+    return {k: s[k] for k in ("completed", "failed", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
+                              "p99_tpot_ms", "output_throughput", "errors")}
+
+
+def _router_added_ms(url: str) -> dict | None:
+    """The router's own time per request (its histogram): the mean, and the bucket holding the median."""
+    buckets, total, count = [], 0.0, 0.0
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("leanserve:router_added_latency_seconds_bucket"):
+            le = line.split('le="')[1].split('"')[0]
+            buckets.append((float(le), float(line.split()[-1])))
+        elif line.startswith("leanserve:router_added_latency_seconds_sum"):
+            total += float(line.split()[-1])
+        elif line.startswith("leanserve:router_added_latency_seconds_count"):
+            count += float(line.split()[-1])
+    if not count:
+        return None
+    median_le = min(le for le, n in buckets if n >= count / 2)
+    return {"mean": total / count * 1e3, "p50_at_most": median_le * 1e3, "requests": int(count)}
+
+
+def run(a, model: str, logs: str, copy_bug: bool, with_latency: bool) -> dict:
+    every, last = a.cpus, {max(a.cpus)}
+    kv = {"kv_connector": "ZmqConnector", "kv_transfer_timeout_s": 60}
+    with ExitStack() as stack:
+        prefill = Process(_serve_args(model, a, kv | {"kv_role": "kv_producer", "kv_port": _free_port()}, 8),
+                          last, f"{logs}/prefill.log")
+        stack.callback(prefill.stop)
+        extra = {"kv_connector_extra_config": {"copy_bug": True}} if copy_bug else {}
+        decode = Process(_serve_args(model, a, kv | {"kv_role": "kv_consumer", "kv_port": _free_port()} | extra,
+                                     a.decoders + 2 * a.long_concurrency), every, f"{logs}/decode.log")
+        stack.callback(decode.stop)
+        _pin(decode.proc.pid, last)  # its API process; its engine keeps every core
+        router = Process(["router", "--prefill", prefill.url, "--decode", decode.url], last, f"{logs}/router.log")
+        stack.callback(router.stop)
+        out = asyncio.run(_host_step_run(router.url, decode.url, a))
+        out["copy_bug"] = copy_bug
+        if with_latency:
+            name = httpx.get(router.url + "/v1/models").json()["data"][0]["id"]
+            out["latency_through_router"] = asyncio.run(_latency_run(router.url, a, name))
+            out["router_added_ms"] = _router_added_ms(router.url)
+    if with_latency:
+        with ExitStack() as stack:
+            single = Process(_serve_args(model, a, None, a.decoders), every, f"{logs}/aggregated.log")
+            stack.callback(single.stop)
+            _pin(single.proc.pid, last)
+            name = httpx.get(single.url + "/v1/models").json()["data"][0]["id"]
+            out["latency_aggregated"] = asyncio.run(_latency_run(single.url, a, name))
+    return out
+
+
+# ---------------------------------------------------------------------------------- report
+
+
+def _fmt_run(r: dict) -> str:
+    label = "copy bug: received KV copied on the decode loop's thread" if r["copy_bug"] else "leanserve"
+    lines = [label]
+    titles = {"host_step_ms": "host step time, iterations of exactly the decoders' rows",
+              "loop_work_ms": "loop work (fetch + schedule + prepare + output), every decode iteration"}
+    for metric, title in titles.items():
+        lines.append(f"  {title}, ms: p50 / p95 / p99 (max)  [iterations]")
+        for name, s in r[metric].items():
+            if isinstance(s, dict) and s["n"]:
+                lines.append(f"    {name:<26} {s['p50']:8.2f} / {s['p95']:8.2f} / {s['p99']:8.2f} ({s['max']:.2f})"
+                             f"  [{s['n']}]")
+        lines += [f"    {k} = {v:.2f}" for k, v in r[metric].items() if not isinstance(v, dict)]
+    t = r["transfers"]
+    if t["count"]:
+        lat, rate = t["latency_ms"], t["mb_per_s"]
+        lines.append(f"  transfers: {t['count']} ({t['failed']} failed) of {t['mb_each']:.1f} MB, pull to blocks "
+                     f"written: p50 / p99 {lat['p50']:.1f} / {lat['p99']:.1f} ms, {rate['p50']:.0f} MB/s p50")
+    return "\n".join(lines)
+
+
+def _fmt_latency(r: dict) -> str:
+    lines = ["TTFT / TPOT, ms (p50 / p99)"]
+    for name in ("latency_aggregated", "latency_through_router"):
+        s = r[name]
+        lines.append(f"  {name[8:]:<15} TTFT {s['median_ttft_ms']:7.1f} / {s['p99_ttft_ms']:7.1f}   TPOT "
+                     f"{s['median_tpot_ms']:6.2f} / {s['p99_tpot_ms']:6.2f}   ({s['completed']} ok, "
+                     f"{s['failed']} failed)")
+    if (added := r.get("router_added_ms")) is not None:
+        lines.append(f"  the router's own time per request (its histogram, {added['requests']} requests): p50 <= "
+                     f"{added['p50_at_most']:g} ms, mean {added['mean']:.2f} ms")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="leanserve bench disagg", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--decoders", type=int, default=64, help="requests decoding on the decode worker throughout")
+    ap.add_argument("--decoder-prompt-len", type=int, default=1024,
+                    help="their prompts: long enough that their growth over the run changes steps little")
+    ap.add_argument("--decoder-max-tokens", type=int, default=4000)
+    ap.add_argument("--long-prompt-len", type=int, default=32_000)
+    ap.add_argument("--long-prompts", type=int, default=24, help="long-prompt requests in the stream")
+    ap.add_argument("--long-concurrency", type=int, default=1)
+    ap.add_argument("--window", type=int, default=200, help="decode iterations before and after the stream")
+    ap.add_argument("--latency-requests", type=int, default=16)
+    ap.add_argument("--latency-prompt-len", type=int, default=1024)
+    ap.add_argument("--latency-output-len", type=int, default=64)
+    ap.add_argument("--latency-concurrency", type=int, default=4)
+    ap.add_argument("--copy-bug", action="store_true", help="also run with the copy bug on the decode worker")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None, help="write all results to this file")
+    a = ap.parse_args(argv)
+    a.max_model_len = a.long_prompt_len + 256
+    a.cpus = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {max(a.cpus)})  # this client beside the prefill worker, off the decode loop's core
+    tmp = tempfile.mkdtemp(prefix="leanserve-disagg-")
+    try:
+        model = write_tiny_model(os.path.join(tmp, "model"), a.max_model_len + 64)
+        runs = [run(a, model, tmp, copy_bug=False, with_latency=True)]
+        print(_fmt_run(runs[0]), flush=True)
+        print(_fmt_latency(runs[0]), flush=True)
+        if a.copy_bug:
+            runs.append(run(a, model, tmp, copy_bug=True, with_latency=False))
+            print(_fmt_run(runs[1]), flush=True)
+        load = os.getloadavg()
+        print(f"load average at the end: {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} on {os.cpu_count()} CPUs")
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({"args": {**vars(a), "cpus": sorted(a.cpus)}, "runs": runs, "loadavg": load}, f, indent=1)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
