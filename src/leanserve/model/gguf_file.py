@@ -27,9 +27,28 @@ class GGUFTensor:
     qtype: GGMLQuantizationType
     raw: np.ndarray  # uint8 view into the memory map, [rows, bytes per row]
 
-    def to_float32(self) -> np.ndarray:
+    def share(self, dim: int, lo: int, hi: int) -> GGUFTensor | None:
+        """Rows (``dim`` 0) or the last dimension's columns (``dim`` 1 of a matrix, 0 of a vector)
+        [lo, hi) as a tensor of their own, a view of only their bytes; None for columns that
+        split a quantization block (K-quants have 256 per block)."""
+        if (lo, hi) == (0, self.shape[dim]):
+            return self
+        shape = (*self.shape[:dim], hi - lo, *self.shape[dim + 1 :])
+        if dim < len(self.shape) - 1:
+            return GGUFTensor(self.name, shape, self.qtype, self.raw[lo:hi])
+        block, size = GGML_QUANT_SIZES[self.qtype]
+        if lo % block or hi % block:
+            return None
+        return GGUFTensor(self.name, shape, self.qtype, self.raw[:, lo // block * size : hi // block * size])
+
+    def to_float32(self, dim: int = 0, lo: int = 0, hi: int | None = None) -> np.ndarray:
+        """The tensor, or its rows / columns [lo, hi) (see :meth:`share`), dequantized."""
+        hi = self.shape[dim] if hi is None else hi
+        part = self.share(dim, lo, hi)
+        if part is None:  # whole blocks dequantized, then cut
+            return self.to_float32().take(np.arange(lo, hi), axis=dim)
         try:
-            return quants.dequantize(self.raw, self.qtype).reshape(self.shape)
+            return quants.dequantize(np.ascontiguousarray(part.raw), self.qtype).reshape(part.shape)
         except NotImplementedError:
             raise ModelLoadError(f"tensor {self.name}: quantization {self.qtype.name} is not supported") from None
 

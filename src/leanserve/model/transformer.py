@@ -3,7 +3,8 @@
 Its forward takes a *flat* batch: the new tokens of many sequences back to back, with their
 positions, so one call serves prefill chunks and decode tokens of different requests together.
 Q/K/V and gate/up projections are fused into one matmul each (fewer, larger GEMMs); loaders
-write the checkpoint's separate tensors into slices of the fused weights.
+write the checkpoint's separate tensors into slices of the fused weights. Under tensor
+parallelism a model holds one rank's share of every weight (see :mod:`.parallel`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from torch import nn
 
 from .attention import AttentionMetadata, paged_attention
 from .config import ModelConfig
+from .parallel import TensorParallel, embed
 
 
 def _empty(*shape, dtype, device) -> nn.Parameter:
@@ -33,11 +35,15 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype, device):
+    """This rank's attention heads and KV heads; the output is summed over ranks."""
+
+    def __init__(self, cfg: ModelConfig, dtype, device, tp: TensorParallel):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.tp = tp
+        self.num_heads, self.num_kv_heads = cfg.num_heads // tp.size, cfg.num_kv_heads // tp.size
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         qkv_size = self.q_size + 2 * self.kv_size
         self.qkv_proj = nn.Linear(cfg.hidden_size, qkv_size, bias=cfg.attention_bias, device="meta")
@@ -58,7 +64,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), dim=1)
         q, k = _rotate(qk, cos, sin).split([h, self.num_kv_heads], dim=1)
-        return self.o_proj(paged_attention(q, k, v, k_cache, v_cache, meta, self.scale))
+        return self.tp.all_reduce(self.o_proj(paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -68,25 +74,29 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype, device):
+    """This rank's columns of the MLP; the output is summed over ranks."""
+
+    def __init__(self, cfg: ModelConfig, dtype, device, tp: TensorParallel):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False, device="meta")
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False, device="meta")
+        self.tp = tp
+        inter = cfg.intermediate_size // tp.size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=False, device="meta")
+        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=False, device="meta")
         for lin in (self.gate_up_proj, self.down_proj):
             lin.weight = _empty(*lin.weight.shape, dtype=dtype, device=device)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype, device):
+    def __init__(self, cfg: ModelConfig, dtype, device, tp: TensorParallel):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(cfg, dtype, device)
+        self.self_attn = Attention(cfg, dtype, device, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.mlp = MLP(cfg, dtype, device)
+        self.mlp = MLP(cfg, dtype, device, tp)
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta)
@@ -94,16 +104,19 @@ class DecoderLayer(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype=torch.float32, device="cpu"):
+    def __init__(self, cfg: ModelConfig, dtype=torch.float32, device="cpu", tp: TensorParallel | None = None):
+        """``tp``: this rank's place when the model is split over ranks (default: one rank)."""
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device="meta")
-        self.embed_tokens.weight = _empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_layers))
+        self.tp = tp = tp or TensorParallel()
+        vocab = tp.vocab_rows(cfg.vocab_size)
+        self.embed_tokens = nn.Embedding(vocab, cfg.hidden_size, device="meta")
+        self.embed_tokens.weight = _empty(vocab, cfg.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device="meta")
+        self.lm_head = nn.Linear(cfg.hidden_size, vocab, bias=False, device="meta")
         self.lm_head.weight = (self.embed_tokens.weight if cfg.tie_word_embeddings
-                               else _empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device))
+                               else _empty(vocab, cfg.hidden_size, dtype=dtype, device=device))
         # float32 rotary tables over the whole context; indexed by position each step.
         self.register_buffer("inv_freq", cfg.rope_inv_freq().to(device), persistent=False)
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -128,13 +141,18 @@ class Transformer(nn.Module):
         kv_cache: torch.Tensor,  # [layers, 2, num_blocks, block_size, KVH, D]
         meta: AttentionMetadata,
         logits_indices: torch.Tensor | None = None,  # rows to compute logits for; None = all
-    ) -> torch.Tensor:
-        """Returns float32 logits [len(logits_indices), vocab]."""
-        x = self.embed_tokens(input_ids)
+    ) -> torch.Tensor | None:
+        """Returns float32 logits [len(logits_indices), vocab]; None on a tensor-parallel rank
+        other than 0 (only rank 0 samples)."""
+        x = embed(input_ids, self.embed_tokens.weight, self.tp)
         cos, sin = self._rope(positions, x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv_cache[i, 0], kv_cache[i, 1], meta)
         if logits_indices is not None:
             x = x[logits_indices]
         # Only the rows that sample reach the output head: ~20% of a small model's FLOPs.
-        return self.lm_head(self.norm(x)).float()
+        logits = self.lm_head(self.norm(x)).float()
+        if self.tp.size == 1:
+            return logits
+        logits = self.tp.gather_vocab(logits)
+        return None if logits is None else logits[:, : self.config.vocab_size]
