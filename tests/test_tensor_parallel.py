@@ -1,23 +1,42 @@
-"""Tensor parallelism: each rank's share of the checkpoint, and the split model against the
-whole one (logits), its ranks as threads of this process over gloo."""
+"""Tensor parallelism (``--tensor-parallel-size``): each rank's share of the checkpoint, the
+split model against the whole one (logits), the per-step channel, and engines and a live server
+at TP=2 against TP=1 (greedy tokens, logprobs), with the ranks started by the code under test."""
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
+import subprocess
+import sys
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import gguf
+import httpx
+import numpy as np
 import pytest
 import torch
 
+from leanserve import LLM, SamplingParams
+from leanserve.engine.config import EngineConfig
+from leanserve.engine.distributed import step_codec
 from leanserve.engine.distributed.group import DistributedGroup, open_store
+from leanserve.engine.distributed.shm_ring import SLOTS, ChannelClosed, RingReader, RingWriter
+from leanserve.engine.model_runner import ModelInput
+from leanserve.engine.params import StructuredOutputsParams
 from leanserve.model import ModelSpec, load_model
 from leanserve.model.attention import AttentionMetadata
 from leanserve.model.parallel import TensorParallel
 
 from .gguf_util import tiny_llama, write_llama_gguf
+from .server_util import LiveServer
 from .test_checkpoints import ALL_TYPES
-from .test_engine import prompts_of
+from .test_engine import assert_same_greedy, prompts_of
 from .test_int4 import write_tiny_q4
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=3)
 
 
 class Share(TensorParallel):
@@ -156,3 +175,228 @@ def assert_logits_close(got: torch.Tensor, want: torch.Tensor) -> None:
     logits agree to a few float32 ulps of their own scale (these random models' reach ~100)."""
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
+
+
+# ------------------------------------------------------------------------------ the step channel
+
+
+def _step_input(seed: int) -> ModelInput:
+    rng = np.random.default_rng(seed)
+    t, d = 40, 3
+    ints = lambda n: rng.integers(0, 1000, n).astype(np.int64)  # noqa: E731
+    return ModelInput(ints(t), ints(t), ints(t), ints(d * 5).reshape(d, 5), ints(d),
+                      [(3, 20, 52, ints(4)), (23, 17, 17, ints(2))], ints(5), sampling=None,
+                      prompt_logprob_rows=[(7, 23, ints(16), 2)])
+
+
+def test_step_codec_round_trip():
+    inp = _step_input(0)
+    got = step_codec.decode(np.concatenate([p.ravel() for p in step_codec.encode(inp)]))
+    for name in ("input_ids", "positions", "slot_mapping", "decode_block_table", "decode_seq_lens", "logits_indices"):
+        assert np.array_equal(getattr(got, name), getattr(inp, name)), name
+    assert [(a, b, c, d.tolist()) for a, b, c, d in got.prefills] == [(a, b, c, d.tolist()) for a, b, c, d in inp.prefills]
+    assert [(a, b, c.tolist(), d) for a, b, c, d in got.prompt_logprob_rows] == \
+        [(a, b, c.tolist(), d) for a, b, c, d in inp.prompt_logprob_rows]
+
+
+def test_shm_ring_delivers_every_message_in_order_then_closes():
+    words = 4096
+    writer = RingWriter(readers=2, slot_words=words)
+    got = [[], []]
+
+    def read(i):
+        reader = RingReader(writer.name, i, 2, words)
+        try:
+            while True:
+                got[i].append(reader.read())
+        except ChannelClosed:
+            reader.close()
+
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    sent = [np.arange(n, dtype=np.int64) * n for n in range(1, 5 * SLOTS)]  # wraps around the slots
+    for msg in sent:
+        writer.write([msg[:1], msg[1:]])
+    time.sleep(0.1)
+    writer.close()
+    for t in threads:
+        t.join(5)
+    for g in got:
+        assert [m.tolist() for m in g] == [m.tolist() for m in sent]
+
+
+# ------------------------------------------------------------------------------ validation
+
+
+@pytest.mark.parametrize("size, message", [
+    (2, "tensor_parallel_size (--tensor-parallel-size): 2 does not divide the model's 9 attention heads"),
+    (4, "tensor_parallel_size (--tensor-parallel-size): 4 ranks for the model's 3 KV heads"),
+    (0, "tensor_parallel_size (--tensor-parallel-size): must be >= 1, got 0"),
+])
+def test_sizes_the_model_cannot_take_fail_at_start_up(default_model, size, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        EngineConfig(model=default_model, tensor_parallel_size=size).resolve()
+
+
+def test_bad_size_is_one_line_from_the_cli(default_model):
+    r = subprocess.run([sys.executable, "-m", "leanserve.cli", "serve", default_model, "-tp", "2"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1] == ("leanserve: error: tensor_parallel_size (--tensor-parallel-size): "
+                                                 "2 does not divide the model's 9 attention heads")
+
+
+# ------------------------------------------------------------------------------ engines
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    return tiny_model_dir("llama")
+
+
+def make_llm(path, **kw) -> LLM:
+    kw.setdefault("dtype", "float32")
+    kw.setdefault("kv_cache_memory", 16 << 20)
+    return LLM(path, **kw)
+
+
+def _same_outputs(got, want, tol=1e-4):
+    """Greedy tokens equal (but at exact ties, see assert_same_greedy), and every logprob of the
+    shared tokens within ``tol``."""
+    got, want = [o.outputs[0] for o in got], [o.outputs[0] for o in want]
+    assert_same_greedy(got, want)
+    for a, b in zip(got, want):
+        for x, y in zip(a.logprobs, b.logprobs):
+            if x["token_id"] != y["token_id"]:
+                break
+            assert abs(x["logprob"] - y["logprob"]) < tol
+            assert [t for t, _ in x["top"]] == [t for t, _ in y["top"]]
+
+
+def test_engine_at_tp2_matches_tp1(tiny):
+    """Chunked prefill (64-token budget), prompt logprobs, then prefix hits (a second batch
+    sharing 80 tokens with the first; prompt logprobs skip the prefix cache) through the ranks."""
+    first = prompts_of([3, 150, 17, 64, 65, 90, 1, 33])
+    second = [np.concatenate((first[1][:80], p)) for p in prompts_of([5, 12], seed=1)]
+    kw = dict(max_num_batched_tokens=64, max_num_seqs=16)
+    with_prompt_lps = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    with make_llm(tiny, **kw) as one:
+        want = one.generate(first, with_prompt_lps) + one.generate(second, GREEDY)
+    with make_llm(tiny, tensor_parallel_size=2, **kw) as two:
+        got = two.generate(first, with_prompt_lps) + two.generate(second, GREEDY)
+        stats = two.engine.stats.summary()
+        hits = two.engine.scheduler.prefix_hits
+    _same_outputs(got, want)
+    for a, b in zip(got[: len(first)], want):
+        for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            assert abs(x[0] - y[0]) < 1e-4
+    assert hits > 0 and stats["broadcast_ms"]["p50"] > 0
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_engine_at_tp2_matches_tp1_other_architectures(arch, tiny_model_dir):
+    """And a structured output: rank 0 masks the gathered logits of the constrained row."""
+    path = tiny_model_dir(arch)
+    prompts = prompts_of([5, 40, 23])
+    params = [GREEDY, GREEDY, SamplingParams(temperature=0.0, max_tokens=16, logprobs=3,
+                                             structured_outputs=StructuredOutputsParams(regex="[a-z]{4,12}"))]
+    with make_llm(path) as one:
+        want = one.generate(prompts, params)
+    with make_llm(path, tensor_parallel_size=2) as two:
+        got = two.generate(prompts, params)
+    _same_outputs(got, want)
+    assert got[2].outputs[0].finish_reason == "stop" and got[2].outputs[0].text.isalpha()
+
+
+def test_default_model_at_tp3_matches_tp1(default_model, default_tokenizer):
+    """The real checkpoint (GGUF, Q4_1 layers and a Q8_0 embedding read per rank), split three
+    ways (its 9 heads and 3 KV heads allow 1 or 3)."""
+    prompts = [default_tokenizer.encode(t) for t in ("The capital of France is", "def fib(n):")]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3)
+    with make_llm(default_model) as one:
+        want = one.generate(prompts, params)
+    with make_llm(default_model, tensor_parallel_size=3) as three:
+        got = three.generate(prompts, params)
+    _same_outputs(got, want, tol=1e-3)
+
+
+def test_a_dead_rank_fails_requests_with_its_name(tiny):
+    llm = make_llm(tiny, tensor_parallel_size=2)
+    try:
+        (stream,) = llm.client.submit(prompts_of([8])[0], SamplingParams(max_tokens=2000, ignore_eos=True))
+        events = iter(stream)
+        next(events)
+        os.kill(llm.engine.runner.ranks.pids[0], signal.SIGKILL)
+        t = time.monotonic()
+        last = None
+        for last in events:
+            pass
+        assert time.monotonic() - t < 10
+        assert last.error and "tensor-parallel rank 1" in last.error and "SIGKILL" in last.error, last
+        with pytest.raises(RuntimeError, match="tensor-parallel rank 1"):
+            llm.generate([prompts_of([4])[0]], GREEDY)
+    finally:
+        llm.close()
+
+
+# ------------------------------------------------------------------------------ live servers
+
+
+ARGS = ("--kv-cache-memory", "16M")
+PROMPTS = [f"Count with me: {i}, {i + 1}," for i in range(4)]
+
+
+def completions(url: str, **extra) -> list:
+    body = {"max_tokens": 12, "temperature": 0, "logprobs": 2} | extra
+    out = []
+    for p in PROMPTS:
+        r = httpx.post(url + "/v1/completions", json=body | {"prompt": p}, timeout=60)
+        assert r.status_code == 200, r.text
+        c = r.json()["choices"][0]
+        out.append((c["text"], c["logprobs"]["tokens"], c["logprobs"]["token_logprobs"]))
+    return out
+
+
+def rank_pids(server: LiveServer) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(server.engine_pid())], capture_output=True,
+                         text=True).stdout
+    return [int(line.split()[0]) for line in out.splitlines() if "leanserve.engine.distributed" in line]
+
+
+def test_live_server_at_tp2_matches_tp1_and_a_dead_rank_fails_requests(tiny_chat_model):
+    with ThreadPoolExecutor(2) as pool:
+        two, one = pool.map(lambda extra: LiveServer(tiny_chat_model, *ARGS, *extra), (("-tp", "2"), ()))
+    try:
+        try:
+            want = completions(one.url)
+        finally:
+            one.stop()
+        got = completions(two.url)
+        assert [(t, toks) for t, toks, _ in got] == [(t, toks) for t, toks, _ in want]
+        for (_, _, a), (_, _, b) in zip(got, want):
+            assert np.allclose(a, b, atol=1e-4)
+        (rank,) = rank_pids(two)
+
+        async def main():
+            async with httpx.AsyncClient(base_url=two.url, timeout=60) as c:
+                body = {"prompt": "x", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+                async with c.stream("POST", "/v1/completions", json=body) as st:
+                    lines = st.aiter_lines()
+                    assert (await anext(lines)).startswith("data: ")
+                    os.kill(rank, signal.SIGKILL)
+                    error = None
+                    async for line in lines:
+                        if '"error"' in line:
+                            error = line
+                    assert error and "tensor-parallel rank 1" in error, error
+                deadline = time.monotonic() + 10
+                while (await c.get("/health")).status_code == 200 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.1)
+                assert (await c.get("/health")).status_code == 503
+                r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4})
+                assert r.status_code == 503
+
+        asyncio.run(asyncio.wait_for(main(), 60))
+    finally:
+        two.stop()

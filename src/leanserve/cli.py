@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .engine.config import BACKENDS
 from .model.config import ModelLoadError
 from .model.quant import QUANTIZATIONS
 from .router.config import POLICIES
@@ -27,6 +28,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--max-logprobs", type=int, default=20, help="the most logprobs / top_logprobs a request may ask for")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks that hold one model between them (attention heads, KV heads and MLP columns split; "
+                        "on CPU each gets cores / N threads)")
+    p.add_argument("--distributed-executor-backend", default="mp", choices=BACKENDS,
+                   help="how the tensor-parallel ranks start: mp, processes on this machine")
 
 
 def _bytes(text: str) -> int:
@@ -42,7 +48,9 @@ def _engine_config(a):
                         max_model_len=a.max_model_len,
                         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                         block_size=a.block_size, kv_cache_memory=a.kv_cache_memory,
-                        enable_prefix_caching=a.enable_prefix_caching, seed=a.seed, max_logprobs=a.max_logprobs)
+                        enable_prefix_caching=a.enable_prefix_caching, seed=a.seed, max_logprobs=a.max_logprobs,
+                        tensor_parallel_size=a.tensor_parallel_size,
+                        distributed_executor_backend=a.distributed_executor_backend)
 
 
 def _sampling(a):

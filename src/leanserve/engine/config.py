@@ -9,12 +9,15 @@ from dataclasses import dataclass
 import torch
 
 from ..model.config import ModelConfig
-from ..model.loader import ModelSpec
+from ..model.loader import ModelSpec, read_model_config
+from ..model.parallel import check_tensor_parallel
 from .batch_state import blocks_needed
 from .kv_cache import KVCache
 from .kv_transfer.config import KVTransferConfig
 
 log = logging.getLogger("leanserve.engine")
+
+BACKENDS = ("mp",)
 
 
 @dataclass
@@ -37,6 +40,9 @@ class EngineConfig:
     stats_capacity: int = 4096
     threads: int | None = None  # torch intra-op threads; None: torch's default
     kv_transfer: KVTransferConfig | None = None  # disaggregated serving; None: this engine moves no KV
+    # Ranks that hold one model between them (engine/distributed), as processes of this machine.
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_new_requests_per_step"):
@@ -52,11 +58,24 @@ class EngineConfig:
             raise ValueError(f"kv_cache_fraction: must be in (0, 0.9], got {self.kv_cache_fraction}")
         if self.kv_transfer is not None:
             self.kv_transfer.validate()
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size (--tensor-parallel-size): must be >= 1, got "
+                             f"{self.tensor_parallel_size}")
+        if self.distributed_executor_backend not in BACKENDS:
+            raise ValueError(f"distributed_executor_backend (--distributed-executor-backend): "
+                             f"{self.distributed_executor_backend!r}; choose one of {', '.join(BACKENDS)}")
+        if self.kv_transfer is not None and self.tensor_parallel_size > 1:
+            # Each rank holds its KV heads' slice of every block; the connector moves rank 0's.
+            raise ValueError("kv_transfer (--kv-transfer-config): not supported with --tensor-parallel-size > 1 "
+                             "yet (each rank holds a slice of the KV cache; only one rank's would move)")
 
     def resolve(self) -> ResolvedConfig:
         """Checks every flag and resolves the model's, once; raises ValueError naming the flag."""
         self.validate()
-        return ResolvedConfig(self, ModelSpec.resolve(self.model, self.dtype, self.device, self.quantization))
+        spec = ModelSpec.resolve(self.model, self.dtype, self.device, self.quantization)
+        if self.tensor_parallel_size > 1:
+            check_tensor_parallel(read_model_config(spec), self.tensor_parallel_size)
+        return ResolvedConfig(self, spec)
 
 
 @dataclass(frozen=True)
@@ -83,7 +102,9 @@ def plan_kv_cache(config: EngineConfig, model_config: ModelConfig, dtype: torch.
     if config.kv_cache_memory is not None:
         num_blocks = config.kv_cache_memory // per_block
     else:
-        budget = int(config.kv_cache_fraction * available_memory_bytes(config.device))
+        # Tensor-parallel ranks share one machine's memory on the CPU, but each has its own GPU.
+        devices = config.tensor_parallel_size if config.device.startswith("cuda") else 1
+        budget = int(config.kv_cache_fraction * available_memory_bytes(config.device)) * devices
         num_blocks = min(budget // per_block, config.max_num_seqs * blocks_needed(max_model_len, bs) + 1)
     capacity = (int(num_blocks) - 1) * bs  # block 0 is the null block
     if max_model_len > capacity:

@@ -36,9 +36,11 @@ from ..model.transformer import Transformer
 from ..tokenizer import Tokenizer
 from .batch_state import BatchState
 from .config import EngineConfig, ResolvedConfig, plan_kv_cache
+from .distributed.ranks import Ranks, with_rank_threads
+from .distributed.runner import TensorParallelRunner
 from .kv_cache import KVCache
 from .kv_transfer import make_connector
-from .model_runner import ModelOutput, ModelRunner, build_model_input
+from .model_runner import ExecutorFailed, ModelOutput, ModelRunner, build_model_input
 from .messages import Abort, Add, StepOutput
 from .params import SamplingParams
 from .kv_transfer.messages import RemotePrefill
@@ -90,11 +92,12 @@ def prompt_from_token_ids(ids, vocab_size: int) -> np.ndarray:
 
 class EngineCore:
     def __init__(self, config: EngineConfig, model: Transformer, eos_token_ids=None,
-                 tokenizer_path: str | None = None):
+                 tokenizer_path: str | None = None, ranks: Ranks | None = None):
         """Builds KV cache, batch and scheduler around a loaded ``model``; :meth:`from_config` is
         the start-up path (tests and benchmarks also pass models built in memory).
         ``tokenizer_path``: the checkpoint whose tokenizer structured outputs compile grammars
-        against (without it, such requests end with an error)."""
+        against (without it, such requests end with an error). ``ranks``: the other
+        tensor-parallel ranks, when ``model`` is rank 0's share."""
         config.validate()
         if config.threads:
             torch.set_num_threads(config.threads)
@@ -106,17 +109,19 @@ class EngineCore:
         self.eos_token_ids = sorted(set(mcfg.eos_token_ids) | set(eos_token_ids or ()))
         dtype = self.model.embed_tokens.weight.dtype
         num_blocks, self.max_model_len = plan_kv_cache(config, mcfg, dtype)
-        self.kv = KVCache(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, num_blocks, config.block_size, dtype,
-                          config.device)
+        # A tensor-parallel rank caches its own KV heads; the block ids are the same on every rank.
+        self.kv = KVCache(mcfg.num_layers, mcfg.num_kv_heads // model.tp.size, mcfg.head_dim, num_blocks,
+                          config.block_size, dtype, config.device)
         self.batch = BatchState(config.max_num_seqs, self.max_model_len, config.block_size, self.eos_token_ids)
         self.wakeup = threading.Event()
         self.connector = None if config.kv_transfer is None else \
             make_connector(config.kv_transfer, self.kv, self.model, config.block_size, self.wakeup.set)
         self.scheduler = Scheduler(self.batch, self.kv.pool, config.max_num_batched_tokens,
                                    config.enable_prefix_caching, self.connector)
-        self.runner = ModelRunner(self.model, self.kv, config.device, config.seed,
-                                  grammar_bitmask=GrammarBitmask.for_device(config.device, config.max_num_seqs,
-                                                                            self.vocab_size, config.threads))
+        bitmask = GrammarBitmask.for_device(config.device, config.max_num_seqs, self.vocab_size, config.threads)
+        self.runner = (ModelRunner(self.model, self.kv, config.device, config.seed, grammar_bitmask=bitmask)
+                       if ranks is None else
+                       TensorParallelRunner(self.model, self.kv, ranks, config.device, config.seed, bitmask))
         self.grammars = GrammarCompiler(self._grammar_tokenizer)
         self.stats = IterationStats(config.stats_capacity)
         self.requests: dict[int, Request] = {}  # by id, for aborts
@@ -128,7 +133,17 @@ class EngineCore:
 
     @classmethod
     def from_config(cls, config: ResolvedConfig, eos_token_ids=None) -> EngineCore:
-        return cls(config.engine, load_model(config.model), eos_token_ids, config.model.path)
+        if config.engine.tensor_parallel_size == 1:
+            return cls(config.engine, load_model(config.model), eos_token_ids, config.model.path)
+        config = with_rank_threads(config)
+        if config.engine.threads:
+            torch.set_num_threads(config.engine.threads)  # before loading: this thread runs the forwards
+        ranks = Ranks(config)  # the other ranks start, and load their shares while rank 0 loads its own
+        try:
+            return cls(config.engine, load_model(config.model, ranks.group), eos_token_ids, config.model.path, ranks)
+        except BaseException:
+            ranks.shutdown()
+            raise
 
     def _grammar_tokenizer(self):
         """The grammar library's view of the vocabulary (built on the compiler's thread)."""
@@ -138,11 +153,12 @@ class EngineCore:
         return structured.load_tokenizer(tokenizer.backend.to_str(), self.vocab_size, self.eos_token_ids)
 
     def close(self) -> None:
-        """Stops the grammar compiler's thread and the KV transfer thread, whose sockets it closes
-        (the loop must have stopped)."""
+        """Stops the grammar compiler's thread, the KV transfer thread (whose sockets it closes)
+        and the other tensor-parallel ranks (the loop must have stopped)."""
         self.grammars.shutdown()
         if self.connector is not None:
             self.connector.shutdown()
+        self.runner.shutdown()
 
     # ------------------------------------------------------------------ boundary (any thread)
     def add_request(self, request_id: int, prompt: np.ndarray, params: SamplingParams,
@@ -218,8 +234,9 @@ class EngineCore:
         inp = build_model_input(self.batch, sched)
         clock.lap("prepare_ms")
         out = self.runner.execute(inp)
-        clock.lap()  # forward, grammar masks and sampling, which the runner times itself
-        clock.ms["forward_ms"], clock.ms["sample_ms"] = out.forward_ms, out.sample_ms
+        clock.lap()  # broadcast, forward, grammar masks and sampling, which the runner times itself
+        clock.ms["broadcast_ms"], clock.ms["forward_ms"], clock.ms["sample_ms"] = (out.broadcast_ms, out.forward_ms,
+                                                                                   out.sample_ms)
         clock.ms["grammar_ms"] += out.grammar_ms
         return out
 
@@ -374,9 +391,13 @@ class EngineLoop:
         self.thread_id: int | None = None
 
     def run(self) -> None:
+        """Raises ExecutorFailed once no step can run any more (a tensor-parallel rank died),
+        after emitting the step that found it, which fails its requests with the reason."""
         core = self.core
         self.thread_id = threading.get_ident()
         while not self._stop:
+            if core.runner.failure is not None:
+                raise ExecutorFailed(core.runner.failure)
             if not core.has_work:
                 core.wakeup.wait(IDLE_WAIT_S)
                 core.wakeup.clear()

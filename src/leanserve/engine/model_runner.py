@@ -2,7 +2,8 @@
 
 ``ModelInput`` is numpy arrays plus the sampling metadata (torch tensors, and the seeded rows'
 generators), everything the forward and the sampler need and nothing else, so the same call can
-run in-process or be broadcast to worker ranks for tensor parallelism. Building it
+run in-process or be broadcast to worker ranks for tensor parallelism (``engine/distributed``:
+every rank runs :meth:`ModelRunner.forward` on it, rank 0 also samples). Building it
 (``build_model_input``) is the engine's job and reads only the scheduled batch and the
 persistent batch arrays: decode rows are gathered with a few vectorised numpy ops; each
 prefill chunk is one slice.
@@ -34,7 +35,7 @@ class ModelInput:
     decode_seq_lens: np.ndarray  # [D] int64
     prefills: list[tuple[int, int, int, np.ndarray]]  # (row start, length, context_len, block ids)
     logits_indices: np.ndarray  # [R] rows that sample, decode rows first
-    sampling: SamplingMetadata
+    sampling: SamplingMetadata | None  # None on tensor-parallel ranks other than 0, which never sample
     # prompt logprobs: (request id, first row, targets) -> logprob of each next prompt token
     prompt_logprob_rows: list[tuple[int, int, np.ndarray, int]] = field(default_factory=list)
     # Structured outputs: the sampling rows (indices into logits_indices) under a grammar, and
@@ -54,6 +55,11 @@ class ModelOutput:
     sample_ms: float
     grammar_ms: float = 0.0
     prompt_logprobs: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)
+    broadcast_ms: float = 0.0  # handing the input to the other tensor-parallel ranks
+
+
+class ExecutorFailed(RuntimeError):
+    """The executor can run no more steps (e.g. a tensor-parallel rank died): the engine stops."""
 
 
 def build_model_input(b: BatchState, sched: ScheduledBatch) -> ModelInput:
@@ -159,6 +165,9 @@ def default_pad_shapes(model: Transformer, device: torch.device) -> bool:
 
 
 class ModelRunner:
+    # Why no step can run any more; a runner over several ranks sets it (see engine/distributed).
+    failure: str | None = None
+
     def __init__(self, model: Transformer, kv_cache: KVCache, device="cpu", seed: int | None = None,
                  pad_shapes: bool | None = None, grammar_bitmask: GrammarBitmask | None = None):
         self.model = model
@@ -176,6 +185,41 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, inp: ModelInput) -> ModelOutput:
+        """One step: the forward, grammar masks on its logits, then sampling (and prompt logprobs)."""
+        args = self.prepare(inp)
+        # Grammar masks: filled while the forward runs where that pays (see GrammarBitmask).
+        masks = self.grammar_bitmask.start_fill(inp.grammars) if inp.grammars else None
+        t0 = time.perf_counter()
+        logits = self.run_model(*args)
+        t1 = t2 = time.perf_counter()
+        n_sample = len(inp.logits_indices)
+        if masks is not None:  # the time the grammar adds after the forward: the fill's rest, the apply
+            self.grammar_bitmask.apply(logits[:n_sample], inp.grammar_rows, masks())
+            t2 = time.perf_counter()
+        prompt_lps = self._prompt_logprobs(logits[n_sample:], inp.prompt_logprob_rows) if inp.prompt_logprob_rows else {}
+        sampled = self.sampler(logits[:n_sample], inp.sampling)
+        t3 = time.perf_counter()
+        return ModelOutput(sampled, (t1 - t0) * 1e3, (t3 - t2) * 1e3, (t2 - t1) * 1e3, prompt_lps)
+
+    def shutdown(self) -> None:
+        """Stops what the runner started: nothing here; the other ranks of a tensor-parallel one."""
+
+    @torch.inference_mode()
+    def forward(self, inp: ModelInput) -> None:
+        """A step's forward without sampling: what tensor-parallel ranks other than 0 run."""
+        self.run_model(*self.prepare(inp))
+
+    def run_model(self, input_ids, positions, meta: AttentionMetadata, rows, num_logits: int) -> torch.Tensor | None:
+        """float32 logits of the rows that sample, then of the prompt-logprob rows; None on a
+        tensor-parallel rank other than 0."""
+        logits = self.model(input_ids, positions, self.kv.tensor, meta, rows)
+        if logits is not None and len(logits) != num_logits:
+            logits = logits[:num_logits]
+        return logits
+
+    def prepare(self, inp: ModelInput) -> tuple:
+        """The model's arguments for ``inp`` (tensors on the device, attention metadata) and the
+        number of logit rows wanted: :meth:`run_model`'s arguments."""
         num_decode = len(inp.decode_block_table)
         bs = self.kv.block_size
         pad = self.pad_shapes
@@ -213,21 +257,7 @@ class ModelRunner:
         input_ids, positions = inp.input_ids, inp.positions
         if num_rows != inp.num_tokens:
             input_ids, positions = _padded(input_ids, num_rows), _padded(positions, num_rows)
-        # Grammar masks: filled while the forward runs where that pays (see GrammarBitmask).
-        masks = self.grammar_bitmask.start_fill(inp.grammars) if inp.grammars else None
-        t0 = time.perf_counter()
-        logits = self.model(self._t(input_ids), self._t(positions), self.kv.tensor, meta, rows_t)
-        if len(logits) != num_logits:
-            logits = logits[:num_logits]
-        t1 = t2 = time.perf_counter()
-        n_sample = len(inp.logits_indices)
-        if masks is not None:  # the time the grammar adds after the forward: the fill's rest, the apply
-            self.grammar_bitmask.apply(logits[:n_sample], inp.grammar_rows, masks())
-            t2 = time.perf_counter()
-        prompt_lps = self._prompt_logprobs(logits[n_sample:], inp.prompt_logprob_rows) if extra else {}
-        sampled = self.sampler(logits[:n_sample], inp.sampling)
-        t3 = time.perf_counter()
-        return ModelOutput(sampled, (t1 - t0) * 1e3, (t3 - t2) * 1e3, (t2 - t1) * 1e3, prompt_lps)
+        return self._t(input_ids), self._t(positions), meta, rows_t, num_logits
 
     @staticmethod
     def _prompt_logprobs(logits, chunks):

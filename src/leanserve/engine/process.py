@@ -56,8 +56,19 @@ def run_engine_process(config: ResolvedConfig, eos_token_ids: list[int], in_addr
         loop.run()
     except BaseException:  # noqa: BLE001 - logged, then the process ends for the API to see
         log.critical("the engine loop crashed:\n%s", traceback.format_exc())
+        _drain(outbox)
         logging.shutdown()
         os._exit(1)
+
+
+def _drain(outbox: queue.SimpleQueue, timeout: float = 1.0) -> None:
+    """Lets the output thread send what the loop emitted last (a failed step's errors, which say
+    why), so the API sees it before the process ends: waits for the queue to empty, then for
+    ZeroMQ's I/O thread to write it out (a local socket takes well under the margin)."""
+    deadline = time.monotonic() + timeout
+    while not outbox.empty() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)
 
 
 def _input_thread(ctx: zmq.Context, addr: str, core: EngineCore, outbox: queue.SimpleQueue) -> None:

@@ -20,6 +20,7 @@ FIELDS = (
     "fetch_ms",  # draining the inbox (new requests, aborts)
     "schedule_ms",
     "prepare_ms",  # building model inputs
+    "broadcast_ms",  # handing them to the other tensor-parallel ranks (0 with one rank)
     "sample_ms",
     "output_ms",  # stop checks, state updates, emitting the step's outputs
     "grammar_ms",  # structured outputs: filling and applying token bitmasks, advancing matchers
@@ -33,7 +34,8 @@ FIELDS = (
 )
 
 
-PHASES = ("fetch_ms", "schedule_ms", "prepare_ms", "forward_ms", "grammar_ms", "sample_ms", "output_ms")
+PHASES = ("fetch_ms", "schedule_ms", "prepare_ms", "broadcast_ms", "forward_ms", "grammar_ms", "sample_ms",
+          "output_ms")
 
 
 class PhaseClock:

@@ -1,5 +1,9 @@
-"""Distributed execution beside the model runner: tensor parallelism.
+"""Distributed execution beside the model runner: tensor parallelism (``--tensor-parallel-size``).
 
-``group``: a rank of a torch.distributed process group, on which the split model
-(``model/parallel.py``) runs its collectives.
+One engine core (scheduler, block pool, persistent batch) drives N ranks that hold one model
+between them (``model/parallel.py``: Megatron's split, collectives over torch.distributed).
+Rank 0 runs in the engine's own thread (``runner.TensorParallelRunner``); each step it writes
+the model input to a shared-memory ring (``shm_ring``, ``step_codec``), runs its share of the
+forward with the others and samples alone. The other ranks (``worker``) are local processes
+(``mp_backend``), started and watched by ``ranks.Ranks``.
 """
