@@ -13,6 +13,9 @@ is the host path. Three parts:
             during and after.
             ``--copy-bug`` re-runs it with a deep copy in the enqueue path, to show the
             measurement catches exactly that class of bug.
+
+``--tensor-parallel-size 1,2`` runs only the phases, once per size, with the same tiny model
+written to a checkpoint that every rank loads its share of (``engine/distributed``).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import argparse
 import copy
 import gc
 import json
+import os
+import tempfile
 import threading
 import time
 
@@ -35,29 +40,59 @@ from ..model.config import ModelConfig
 from ..model.transformer import Transformer
 
 COLUMNS = (*PHASES, "host_step_ms")
+# The tiny model's Hugging Face config (one layer, 512-token vocabulary).
+TINY = dict(model_type="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
+            tie_word_embeddings=True, eos_token_id=0)
 
 
 def tiny_model(max_len: int = 40_000, seed: int = 0) -> Transformer:
-    cfg = ModelConfig(architecture="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=1,
-                      num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
-                      max_position_embeddings=max_len, tie_word_embeddings=True, eos_token_ids=(0,))
-    model = Transformer(cfg, torch.float32)
+    model = Transformer(ModelConfig.from_hf(dict(TINY, max_position_embeddings=max_len)), torch.float32)
     g = torch.Generator().manual_seed(seed)
     for p in model.parameters():
         p.data.normal_(0, 0.05, generator=g)
     return model
 
 
-def _core(batch: int, max_len: int = 2048, **kw) -> EngineCore:
+def save_tiny_checkpoint(path: str, max_len: int = 40_000, seed: int = 0) -> str:
+    """The tiny model as a Hugging Face directory (config.json, model.safetensors) at ``path``."""
+    from safetensors.torch import save_file
+
+    h, inter, kv = TINY["hidden_size"], TINY["intermediate_size"], TINY["num_key_value_heads"] * TINY["head_dim"]
+    shapes = {"model.embed_tokens.weight": (TINY["vocab_size"], h), "model.norm.weight": (h,)}
+    for i in range(TINY["num_hidden_layers"]):
+        pre = f"model.layers.{i}."
+        shapes.update({f"{pre}input_layernorm.weight": (h,), f"{pre}post_attention_layernorm.weight": (h,),
+                       f"{pre}self_attn.q_proj.weight": (h, h), f"{pre}self_attn.k_proj.weight": (kv, h),
+                       f"{pre}self_attn.v_proj.weight": (kv, h), f"{pre}self_attn.o_proj.weight": (h, h),
+                       f"{pre}mlp.gate_proj.weight": (inter, h), f"{pre}mlp.up_proj.weight": (inter, h),
+                       f"{pre}mlp.down_proj.weight": (h, inter)})
+    g = torch.Generator().manual_seed(seed)
+    save_file({k: torch.empty(v).normal_(0, 0.05, generator=g) for k, v in shapes.items()},
+              os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(dict(TINY, max_position_embeddings=max_len), f)
+    return path
+
+
+def _core(batch: int, max_len: int = 2048, checkpoint: str | None = None, **kw) -> EngineCore:
+    """An engine on the tiny model: built in memory, or loaded from ``checkpoint`` (needed for
+    ``tensor_parallel_size`` > 1: each rank loads its share)."""
     cfg = EngineConfig(max_num_seqs=batch, max_model_len=max_len, max_num_batched_tokens=max(2048, 16 * batch),
                        kv_cache_memory=kw.pop("kv_cache_memory", 256 << 20), **kw)
-    return EngineCore(cfg, model=tiny_model(max_len))
+    if checkpoint is None:
+        return EngineCore(cfg, model=tiny_model(max_len))
+    cfg.model, cfg.dtype = checkpoint, "float32"
+    return EngineCore.from_config(cfg.resolve())
 
 
-def phases(batch_sizes=(1, 16, 64, 256), iterations: int = 200) -> list[dict]:
+def phases(batch_sizes=(1, 16, 64, 256), iterations: int = 200, checkpoint: str | None = None,
+           keep_rows: bool = False, **kw) -> list[dict]:
+    """``checkpoint`` and ``kw`` (e.g. ``tensor_parallel_size``): see :func:`_core`; ``keep_rows``:
+    each result also holds its iterations' stats rows (``rows``, FIELDS columns)."""
     rows = []
     for b in batch_sizes:
-        core = _core(b)
+        core = _core(b, checkpoint=checkpoint, **kw)
         params = SamplingParams(temperature=0.0, max_tokens=iterations + 20, ignore_eos=True)
         rng = np.random.default_rng(0)
         for i in range(b):
@@ -75,7 +110,10 @@ def phases(batch_sizes=(1, 16, 64, 256), iterations: int = 200) -> list[dict]:
             row[name] = (float(col.mean()), float(np.percentile(col, 99)))
         overhead = (data[:, FIELDS.index("host_step_ms")] - data[:, FIELDS.index("forward_ms")]) * 1e3
         row["overhead_us"] = (float(overhead.mean()), float(np.percentile(overhead, 99)))
+        if keep_rows:
+            row["rows"] = data
         rows.append(row)
+        core.close()
     return rows
 
 
@@ -154,9 +192,9 @@ def burst(copy_bug: bool = False, decoders: int = 64, newcomers: int = 160, prom
     return result
 
 
-def _fmt_phases(rows) -> str:
+def _fmt_phases(rows, title: str = "Decode iteration phases, microseconds: mean / p99") -> str:
     head = "batch " + "".join(f"{p[:-3]:>16}" for p in COLUMNS) + f"{'overhead':>16}"
-    lines = ["Decode iteration phases, microseconds: mean / p99", head]
+    lines = [title, head]
     for r in rows:
         cells = "".join(f"{r[p][0]:>8.0f} /{r[p][1]:>6.0f}" for p in COLUMNS)
         lines.append(f"{r['batch']:>5} {cells}{r['overhead_us'][0]:>8.0f} /{r['overhead_us'][1]:>6.0f}")
@@ -171,10 +209,16 @@ def main(argv=None) -> None:
     ap.add_argument("--copy-bug", action="store_true", help="also run the burst with a deep copy at enqueue")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--json", default=None, help="write all results to this file")
+    ap.add_argument("--tensor-parallel-size", default=None, metavar="SIZES",
+                    help="e.g. 1,2: only the phases, per size, the model loaded from a checkpoint by every rank")
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
-    results = {"phases": phases(tuple(int(x) for x in a.batch_sizes.split(",")), a.iterations)}
+    batch_sizes = tuple(int(x) for x in a.batch_sizes.split(","))
+    if a.tensor_parallel_size:
+        _main_tensor_parallel(batch_sizes, a)
+        return
+    results = {"phases": phases(batch_sizes, a.iterations)}
     print(_fmt_phases(results["phases"]))
     results["enqueue"] = enqueue_cost()
     print("\nEnqueue cost by prompt length (microseconds)")
@@ -195,6 +239,19 @@ def main(argv=None) -> None:
                 print(f"    {w:<7} {s['p50']:7.2f} / {s['p95']:7.2f} / {s['p99']:7.2f}   "
                       f"(host overhead p99 {s['overhead_p99']:.2f}; {s['iterations']} its)")
             print(f"    p99 during / before = {r['p99_during_over_before']:.2f}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+def _main_tensor_parallel(batch_sizes: tuple[int, ...], a) -> None:
+    results = {}
+    with tempfile.TemporaryDirectory() as d:
+        save_tiny_checkpoint(d)
+        for size in (int(x) for x in a.tensor_parallel_size.split(",")):
+            rows = phases(batch_sizes, a.iterations, checkpoint=d, tensor_parallel_size=size, threads=a.threads)
+            results[f"tp{size}"] = rows
+            print(_fmt_phases(rows, f"Tensor-parallel size {size}: decode iteration phases, microseconds: mean / p99"))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=1)

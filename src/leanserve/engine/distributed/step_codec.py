@@ -18,15 +18,15 @@ HEADER = 6  # tokens, decode rows, block table width, prefill chunks, sampled ro
 
 
 def encode(inp: ModelInput) -> list[np.ndarray]:
-    """The message's pieces, in order (the writer copies them into place)."""
+    """The message's pieces, 1-D, in order (the writer copies them into place)."""
     rows, width = inp.decode_block_table.shape
     chunks = np.array([(start, n, ctx, len(blocks)) for start, n, ctx, blocks in inp.prefills], np.int64)
     lp = np.array([(rid, r0, len(t), k) for rid, r0, t, k in inp.prompt_logprob_rows], np.int64)
     header = np.array([inp.num_tokens, rows, width, len(inp.prefills), len(inp.logits_indices),
                        len(inp.prompt_logprob_rows)], np.int64)
-    return [header, inp.input_ids, inp.positions, inp.slot_mapping, inp.decode_block_table, inp.decode_seq_lens,
-            inp.logits_indices, chunks, *(blocks for *_, blocks in inp.prefills), lp,
-            *(t for _, _, t, _ in inp.prompt_logprob_rows)]
+    return [header, inp.input_ids, inp.positions, inp.slot_mapping, inp.decode_block_table.ravel(),
+            inp.decode_seq_lens, inp.logits_indices, chunks.ravel(), *(blocks for *_, blocks in inp.prefills),
+            lp.ravel(), *(t for _, _, t, _ in inp.prompt_logprob_rows)]
 
 
 def decode(msg: np.ndarray) -> ModelInput:
