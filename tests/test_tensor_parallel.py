@@ -22,6 +22,7 @@ import torch
 from leanserve import LLM, SamplingParams
 from leanserve.engine.config import EngineConfig
 from leanserve.engine.distributed import step_codec
+from leanserve.engine.distributed.channel import StepChannel
 from leanserve.engine.distributed.group import DistributedGroup, open_store
 from leanserve.engine.distributed.shm_ring import SLOTS, ChannelClosed, RingReader, RingWriter
 from leanserve.engine.model_runner import ModelInput
@@ -31,7 +32,7 @@ from leanserve.model.attention import AttentionMetadata
 from leanserve.model.parallel import TensorParallel
 
 from .gguf_util import tiny_llama, write_llama_gguf
-from .server_util import LiveServer
+from .server_util import LiveServer, free_port
 from .test_checkpoints import ALL_TYPES
 from .test_engine import assert_same_greedy, prompts_of
 from .test_int4 import write_tiny_q4
@@ -226,6 +227,32 @@ def test_shm_ring_delivers_every_message_in_order_then_closes():
         assert [m.tolist() for m in g] == [m.tolist() for m in sent]
 
 
+def test_channel_reaches_ranks_here_by_the_ring_and_elsewhere_by_socket():
+    channel = StepChannel([True, False, True], 256, "127.0.0.1")
+    assert [spec.address is None for spec in channel.specs] == [True, False, True]
+    got = [[] for _ in channel.specs]
+
+    def read(i):
+        reader = channel.specs[i].reader(alive=lambda: True)
+        try:
+            while True:
+                got[i].append(reader.read().tolist())
+        except ChannelClosed:
+            reader.close()
+
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    sent = [np.arange(n, dtype=np.int64) for n in range(1, 12)]
+    for msg in sent:
+        channel.send([msg])
+    time.sleep(0.2)
+    channel.close()
+    for t in threads:
+        t.join(5)
+    assert got == [[m.tolist() for m in sent]] * 3
+
+
 # ------------------------------------------------------------------------------ validation
 
 
@@ -237,6 +264,15 @@ def test_shm_ring_delivers_every_message_in_order_then_closes():
 def test_sizes_the_model_cannot_take_fail_at_start_up(default_model, size, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         EngineConfig(model=default_model, tensor_parallel_size=size).resolve()
+
+
+@pytest.mark.parametrize("backend, device, message", [
+    ("mpi", "cpu", "distributed_executor_backend (--distributed-executor-backend): 'mpi'; choose one of mp, ray"),
+    ("ray", "cuda", "distributed_executor_backend (--distributed-executor-backend): ray places CPU ranks only"),
+])
+def test_bad_backends_fail_at_start_up(backend, device, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        EngineConfig(tensor_parallel_size=2, distributed_executor_backend=backend, device=device).validate()
 
 
 def test_bad_size_is_one_line_from_the_cli(default_model):
@@ -400,3 +436,58 @@ def test_live_server_at_tp2_matches_tp1_and_a_dead_rank_fails_requests(tiny_chat
         asyncio.run(asyncio.wait_for(main(), 60))
     finally:
         two.stop()
+
+
+# ------------------------------------------------------------------------------ Ray
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory):
+    """A one-node Ray cluster on this machine, started as a user would (``ray start --head``),
+    stopped with its process group."""
+    pytest.importorskip("ray", reason="ray is not installed: pip install 'leanserve[ray]'")
+    port = free_port()
+    log = tmp_path_factory.mktemp("raylog") / "head.log"
+    with open(log, "w") as out:
+        head = subprocess.Popen(
+            [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+             f"--port={port}", "--num-cpus=4", "--object-store-memory=80000000", "--include-dashboard=false",
+             "--disable-usage-stats", f"--temp-dir={tmp_path_factory.mktemp('ray')}"],
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while "Ray runtime started" not in log.read_text():
+            assert head.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.5)
+        yield f"127.0.0.1:{port}"
+    finally:
+        import ray
+
+        ray.shutdown()
+        os.killpg(head.pid, signal.SIGTERM)
+        try:
+            head.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+            head.wait()
+
+
+def test_ray_ranks_match_local_ones_and_a_dead_actor_fails_requests(tiny, ray_cluster, monkeypatch):
+    monkeypatch.setenv("RAY_ADDRESS", ray_cluster)
+    prompts = prompts_of([5, 40, 23, 77])
+    with make_llm(tiny, tensor_parallel_size=2) as local:
+        want = local.generate(prompts, GREEDY)
+    llm = make_llm(tiny, tensor_parallel_size=2, distributed_executor_backend="ray")
+    try:
+        got = llm.generate(prompts, GREEDY)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+        (stream,) = llm.client.submit(prompts_of([8])[0], SamplingParams(max_tokens=1000, ignore_eos=True))
+        events = iter(stream)
+        next(events)
+        os.kill(llm.engine.runner.ranks.pids[0], signal.SIGKILL)
+        last = None
+        for last in events:
+            pass
+        assert last.error and "tensor-parallel rank 1" in last.error, last
+    finally:
+        llm.close()

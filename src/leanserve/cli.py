@@ -32,7 +32,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="ranks that hold one model between them (attention heads, KV heads and MLP columns split; "
                         "on CPU each gets cores / N threads)")
     p.add_argument("--distributed-executor-backend", default="mp", choices=BACKENDS,
-                   help="how the tensor-parallel ranks start: mp, processes on this machine")
+                   help="how the tensor-parallel ranks start: mp, processes on this machine; ray, actors on the "
+                        "Ray cluster this machine has joined (pip install 'leanserve[ray]'; ray start ...)")
 
 
 def _bytes(text: str) -> int:

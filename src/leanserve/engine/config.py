@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from .kv_transfer.config import KVTransferConfig
 
 log = logging.getLogger("leanserve.engine")
 
-BACKENDS = ("mp",)
+BACKENDS = ("mp", "ray")
 
 
 @dataclass
@@ -40,7 +41,8 @@ class EngineConfig:
     stats_capacity: int = 4096
     threads: int | None = None  # torch intra-op threads; None: torch's default
     kv_transfer: KVTransferConfig | None = None  # disaggregated serving; None: this engine moves no KV
-    # Ranks that hold one model between them (engine/distributed), as processes of this machine.
+    # Ranks that hold one model between them (engine/distributed): processes of this machine
+    # ("mp") or Ray actors placed on the Ray cluster this machine belongs to ("ray").
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "mp"
 
@@ -61,9 +63,15 @@ class EngineConfig:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size (--tensor-parallel-size): must be >= 1, got "
                              f"{self.tensor_parallel_size}")
+        flag = "distributed_executor_backend (--distributed-executor-backend)"
         if self.distributed_executor_backend not in BACKENDS:
-            raise ValueError(f"distributed_executor_backend (--distributed-executor-backend): "
-                             f"{self.distributed_executor_backend!r}; choose one of {', '.join(BACKENDS)}")
+            raise ValueError(f"{flag}: {self.distributed_executor_backend!r}; choose one of {', '.join(BACKENDS)}")
+        if self.distributed_executor_backend == "ray" and self.tensor_parallel_size > 1:
+            if not self.device.startswith("cpu"):
+                raise ValueError(f"{flag}: ray places CPU ranks only so far (rank 0's GPU is not tied to its "
+                                 f"Ray bundle yet); use mp on one {self.device} machine")
+            if importlib.util.find_spec("ray") is None:
+                raise ValueError(f"{flag}: ray is not installed: pip install 'leanserve[ray]'")
         if self.kv_transfer is not None and self.tensor_parallel_size > 1:
             # Each rank holds its KV heads' slice of every block; the connector moves rank 0's.
             raise ValueError("kv_transfer (--kv-transfer-config): not supported with --tensor-parallel-size > 1 "

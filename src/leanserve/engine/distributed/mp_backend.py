@@ -16,10 +16,16 @@ STOP_TIMEOUT_S = 5.0  # a rank told to stop gets this long before SIGKILL
 
 
 class ProcessBackend:
-    host = "127.0.0.1"  # every rank on this machine: the collectives run over loopback
+    host = "127.0.0.1"  # rank 0's address; every rank is on this machine: collectives over loopback
+    rank_host = host  # the others'
 
     def __init__(self):
         self.procs: list[subprocess.Popen] = []
+        self.parent_pid = os.getpid()  # the ranks exit once this process is gone
+
+    def place(self, size: int, threads: int | None) -> list[bool]:
+        """Per rank 1..size-1: whether it is on rank 0's machine (always)."""
+        return [True] * (size - 1)
 
     def launch(self, specs: list[RankSpec], on_exit: Callable[[int, str], None]) -> None:
         """Starts one process per spec; ``on_exit(rank, why)`` when one ends."""

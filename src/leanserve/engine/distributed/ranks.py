@@ -1,12 +1,13 @@
 """Rank 0's handle on the other tensor-parallel ranks of one engine: it starts them (through a
-backend: local processes), builds rank 0's end of the process group, hands them
+backend: local processes, or Ray actors), builds rank 0's end of the process group, hands them
 each step's input, and knows when one has died.
 
-Start-up, in order: rank 0 opens the store; the ranks start, join it and say so; rank 0 builds
-its group (which connects to all of them) and loads its own share while they load theirs;
-rank 0 plans the KV cache and publishes the block count; every rank allocates its slice of the
-cache and meets at a barrier. A rank that dies on the way fails the start with its exit status
-instead of leaving rank 0 waiting on a store or a socket.
+Start-up, in order: the backend places the ranks; rank 0 opens the store and the step channel
+(a ring for the ranks on its machine, a socket for each other one); the ranks start, join the
+store and say so; rank 0 builds its group (which connects to all of them) and loads its own
+share while they load theirs; rank 0 plans the KV cache and publishes the block count; every
+rank allocates its slice of the cache and meets at a barrier. A rank that dies on the way fails
+the start with its exit status instead of leaving rank 0 waiting on a store or a socket.
 """
 
 from __future__ import annotations
@@ -44,16 +45,19 @@ class Ranks:
         self.failure: str | None = None  # why a step can no longer run; final
         self._closing = False
         self._lock = threading.Lock()
+        self.channel: StepChannel | None = None
         self.backend = _backend(engine.distributed_executor_backend)
-        self.store, rendezvous = open_store(self.backend.host, size)
+        threads = rank_threads(engine.threads, engine.device, size)
         model_cfg = read_model_config(config.model)
         max_len = engine.max_model_len or model_cfg.max_position_embeddings
-        self.channel = StepChannel(size - 1, step_codec.max_words(
-            engine.max_num_seqs, engine.max_num_batched_tokens, blocks_needed(max_len, engine.block_size)))
-        threads = rank_threads(engine.threads, engine.device, size)
-        specs = [RankSpec(config, r, rendezvous, self.backend.host, rank_device(engine.device, r), threads,
-                          self.channel.spec, os.getpid()) for r in range(1, size)]
+        words = step_codec.max_words(engine.max_num_seqs, engine.max_num_batched_tokens,
+                                     blocks_needed(max_len, engine.block_size))
         try:
+            local = self.backend.place(size, threads)
+            self.store, rendezvous = open_store(self.backend.host, size)
+            self.channel = StepChannel(local, words, self.backend.host)
+            specs = [RankSpec(config, r, rendezvous, self.backend.rank_host, rank_device(engine.device, r), threads,
+                              self.channel.specs[r - 1], self.backend.parent_pid) for r in range(1, size)]
             self.backend.launch(specs, self._on_exit)
             self._wait_for("joined", "starting")
             self.group = DistributedGroup(self.store, 0, size, torch.device(engine.device), self.backend.host)
@@ -87,7 +91,8 @@ class Ranks:
     def shutdown(self) -> None:
         """Tells the ranks to stop (closing the channel) and waits for them."""
         self._closing = True
-        self.channel.close()
+        if self.channel is not None:
+            self.channel.close()
         self.backend.stop()
 
     @property
@@ -111,7 +116,11 @@ class Ranks:
             time.sleep(JOIN_POLL_S)
 
 
-def _backend(name: str) -> ProcessBackend:
+def _backend(name: str):
+    if name == "ray":
+        from .ray_backend import RayBackend
+
+        return RayBackend()
     return ProcessBackend()
 
 

@@ -3,7 +3,8 @@ that runs the forward of every step rank 0 hands it. It never schedules and neve
 
 Started by rank 0 (``ranks.py``) as ``python -m leanserve.engine.distributed`` with its
 :class:`RankSpec` pickled on stdin (a process of its own, not a multiprocessing child: the
-engine process is a daemon, which multiprocessing forbids to have children). A forward that raises ends the process: the other ranks' collectives then
+engine process is a daemon, which multiprocessing forbids to have children), or as a Ray actor
+(``ray_backend.py``). A forward that raises ends the process: the other ranks' collectives then
 fail at once ("connection closed"), and rank 0 reports this rank's exit.
 """
 
@@ -35,11 +36,11 @@ class RankSpec:
     config: ResolvedConfig
     rank: int
     rendezvous: Rendezvous
-    host: str  # this rank's address for the collectives
+    host: str | None  # this rank's address for the collectives (None until a Ray actor finds its node's)
     device: str
     threads: int | None  # torch intra-op threads
     channel: ChannelSpec  # where this rank reads each step's input
-    parent_pid: int  # exit once this process (rank 0's) is gone
+    parent_pid: int | None  # exit once this process (rank 0's) is gone; None: Ray ends its actors itself
 
 
 def run_rank(spec: RankSpec) -> None:
@@ -56,7 +57,7 @@ def run_rank(spec: RankSpec) -> None:
     kv = KVCache(cfg.num_layers, cfg.num_kv_heads // group.size, cfg.head_dim, num_blocks, engine.block_size,
                  spec.config.model.dtype, device)
     runner = ModelRunner(model, kv, device)
-    reader = spec.channel.reader(spec.rank - 1, alive=lambda: os.getppid() == spec.parent_pid)
+    reader = spec.channel.reader(alive=lambda: spec.parent_pid in (None, os.getppid()))
     group.barrier()
     log.info("tensor-parallel rank %d of %d ready (%d KV blocks)", spec.rank, group.size, num_blocks)
     try:
