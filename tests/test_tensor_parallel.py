@@ -275,6 +275,15 @@ def test_bad_backends_fail_at_start_up(backend, device, message):
         EngineConfig(tensor_parallel_size=2, distributed_executor_backend=backend, device=device).validate()
 
 
+def test_kv_transfer_with_tensor_parallel_fails_at_start_up():
+    from leanserve.engine.kv_transfer.config import KVTransferConfig
+
+    kv = KVTransferConfig.from_json('{"kv_connector": "ZmqConnector", "kv_role": "kv_both"}')
+    with pytest.raises(ValueError, match=r"kv_transfer \(--kv-transfer-config\): not supported with "
+                                         r"--tensor-parallel-size > 1"):
+        EngineConfig(tensor_parallel_size=2, kv_transfer=kv).validate()
+
+
 def test_bad_size_is_one_line_from_the_cli(default_model):
     r = subprocess.run([sys.executable, "-m", "leanserve.cli", "serve", default_model, "-tp", "2"],
                        capture_output=True, text=True, timeout=120)
