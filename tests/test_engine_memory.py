@@ -18,6 +18,7 @@ from torch.overrides import TorchFunctionMode
 from leanserve.engine.config import EngineConfig
 from leanserve.engine.core import EngineCore
 from leanserve.engine.params import SamplingParams
+from leanserve.engine.stats import FIELDS
 from leanserve.model.attention import DecodeMaskTable, bucket
 
 
@@ -48,6 +49,9 @@ class ShapeLog(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+CONTEXT_TOKENS, DECODE_ROWS = FIELDS.index("num_context_tokens"), FIELDS.index("num_generation_requests")
+
+
 def drive(core: EngineCore, requests: int, seed: int = 0) -> int:
     """Mixed traffic: prompt lengths 1..400, outputs 1..24 tokens, n up to 3, some prompt
     logprobs and shared prefixes. Returns the number of distinct tokens-per-step seen."""
@@ -69,8 +73,8 @@ def drive(core: EngineCore, requests: int, seed: int = 0) -> int:
         before = core.stats.count
         core.step()
         if core.stats.count > before:
-            rows = core.stats.window(1)[0]
-            step_sizes.add(int(rows[7] + rows[8]))  # context tokens + decode rows
+            row = core.stats.window(1)[0]
+            step_sizes.add(int(row[CONTEXT_TOKENS] + row[DECODE_ROWS]))
     return len(step_sizes)
 
 
