@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -20,13 +22,18 @@ def free_port() -> int:
 
 class LiveServer:
     def __init__(self, model: str | None, *args: str, timeout: float = 180.0, log_path: str | None = None):
-        """``log_path``: where the server's log goes (default: nowhere); read it with ``log_text``."""
+        """``log_path``: where the server's log goes (default: a temporary file, removed at
+        ``stop``); read it with ``log_text``."""
         self.port = free_port()
+        self._own_log = log_path is None
+        if self._own_log:
+            fd, log_path = tempfile.mkstemp(prefix="leanserve-test-", suffix=".log")
+            os.close(fd)
         self.log_path = log_path
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "leanserve.cli", "serve", *([model] if model else []), "--port", str(self.port),
                "--dtype", "float32", *args]
-        self.log = open(log_path or os.devnull, "w")
+        self.log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -51,16 +58,18 @@ class LiveServer:
         return pid
 
     def engine_pids(self) -> list[int]:
-        """The engine-core child processes (one per data-parallel engine)."""
-        out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(self.proc.pid)], capture_output=True, text=True)
-        engines = []
-        for pid in map(int, out.stdout.split()):
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"spawn_main" in f.read():  # not the resource tracker, also a child
-                    engines.append(pid)
-        if not engines:
-            raise RuntimeError(f"no engine process among the children of {self.proc.pid}")
-        return engines
+        """The engine-core child processes (one per data-parallel engine), as the launcher logs them."""
+        return self._logged_pids("engine-core processes")
+
+    def api_pids(self) -> list[int]:
+        """The API server child processes of a server with --api-server-count > 1."""
+        return self._logged_pids("API server processes")
+
+    def _logged_pids(self, what: str) -> list[int]:
+        m = re.search(rf"{what}: pid ([\d, ]+)\n", self.log_text())
+        if m is None:
+            raise RuntimeError(f"no '{what}' line in the server's log")
+        return [int(p) for p in m.group(1).split(", ")]
 
     def stop(self, sig=signal.SIGTERM, timeout: float = 20.0) -> int:
         if self.proc.poll() is None:
@@ -71,6 +80,8 @@ class LiveServer:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+        if self._own_log and os.path.exists(self.log_path):
+            os.remove(self.log_path)
         return self.proc.returncode
 
 

@@ -7,20 +7,25 @@ The servers run the tiny random model (fast), except where a slow iteration is t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import random
 import shutil
 import signal
+import subprocess
+import sys
 import time
 
 import httpx
 import numpy as np
 import pytest
 
-from leanserve.engine.config import EngineConfig
-from leanserve.engine.params import SamplingParams
 from leanserve.engine.async_client import AsyncEngineClient
+from leanserve.engine.config import EngineConfig
+from leanserve.engine.endpoints import EngineEndpoints
+from leanserve.engine.launch import EngineProcesses
+from leanserve.engine.params import SamplingParams
 
 from .server_util import LiveServer, write_chat_template
 
@@ -111,7 +116,7 @@ def test_failed_requests_do_not_leak_admission_capacity(server):
 
 def test_submit_registers_nothing_when_the_message_cannot_be_sent():
     """The same class of leak, one level down: whatever ``submit`` raises, nothing stays held."""
-    client = AsyncEngineClient(EngineConfig().resolve(), [])
+    client = AsyncEngineClient(EngineEndpoints("/nonexistent", num_engines=1, num_clients=1, engine_pids=(0,)))
     with pytest.raises(UnicodeEncodeError):
         client.submit(np.array([1, 2], np.int32), SamplingParams(stop=["\udfff"]))
     assert client.num_pending == 0
@@ -158,11 +163,13 @@ def test_unhandled_errors_are_a_logged_500_in_openai_shape(tmp_path, caplog):
     """The last line of defence, on a route that fails as a handler bug would."""
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
+    from prometheus_client import Gauge
 
     from leanserve.server.middleware import Gatekeeper
 
     app = FastAPI()
-    app.add_middleware(Gatekeeper, api_key=None, max_body_bytes=1 << 20)
+    app.add_middleware(Gatekeeper, api_key=None, max_body_bytes=1 << 20,
+                       in_progress=Gauge("in_progress", "requests in progress", registry=None))
 
     @app.get("/bug")
     async def bug():
@@ -310,13 +317,12 @@ def test_a_dead_output_reader_fails_everything_at_once(tiny_chat_model):
     protocol) fails every pending request with the reason, and the client reports the failure."""
     import zmq
 
-    async def main():
-        config = EngineConfig(model=tiny_chat_model, kv_cache_memory=16 << 20, dtype="float32")
-        client = AsyncEngineClient(config.resolve(), [2])
+    async def main(endpoints):
+        client = AsyncEngineClient(endpoints)
         await client.start()
         _, q = client.submit(np.array([5, 6, 7], np.int32), SamplingParams(max_tokens=2000, ignore_eos=True))
         sock = zmq.Context.instance().socket(zmq.PUSH)
-        sock.connect(f"ipc://{client._dir}/out")
+        sock.connect(endpoints.outputs(0, 0))
         sock.send(b"\xc1 not msgpack")
         sock.close(linger=1000)
         deadline = time.monotonic() + 10
@@ -328,7 +334,55 @@ def test_a_dead_output_reader_fails_everything_at_once(tiny_chat_model):
         assert client.failure and client.unavailable == client.failure and client.num_pending == 0
         await client.shutdown()
 
-    asyncio.run(main())
+    config = EngineConfig(model=tiny_chat_model, kv_cache_memory=16 << 20, dtype="float32")
+    with EngineProcesses(config.resolve(), [2]) as engines:
+        asyncio.run(main(engines.start()))
+
+
+# An engine that fails a request and exits, as one whose tensor-parallel rank died does
+# (process._drain: its last step leaves 0.1 s before it exits).
+LAST_WORDS_ENGINE = """
+import sys, time
+import msgspec, zmq
+from leanserve.engine.messages import Ready, Step, StepOutput, ToEngine
+ctx = zmq.Context()
+out, inp = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+out.connect(sys.argv[1])
+inp.connect(sys.argv[2])
+out.send(msgspec.msgpack.encode(Ready(64, 100, 8)))
+add = msgspec.msgpack.decode(inp.recv_multipart()[0], type=ToEngine)
+print("added", flush=True)
+time.sleep(0.2)
+out.send(msgspec.msgpack.encode(Step(StepOutput.of_aborts([], {add.request_id: "rank 1 was killed"}))))
+time.sleep(0.1)
+"""
+
+
+def test_an_engines_last_words_reach_its_requests_before_its_death(tmp_path):
+    """The API process notices an engine's exit at once (a pidfd), but a request the engine
+    failed just before, with the reason, ends with that reason, even when the API process was
+    too busy to read it before the exit (both then wait in the same turn of its loop)."""
+    endpoints = EngineEndpoints(str(tmp_path), num_engines=1, num_clients=1)
+    engine = subprocess.Popen([sys.executable, "-c", LAST_WORDS_ENGINE, endpoints.outputs(0, 0),
+                               endpoints.requests(0, 0)], stdout=subprocess.PIPE, text=True)
+
+    async def main():
+        client = AsyncEngineClient(dataclasses.replace(endpoints, engine_pids=(engine.pid,)))
+        await client.start()
+        _, q = client.submit(np.array([5, 6, 7], np.int32), SamplingParams(max_tokens=4))
+        assert await asyncio.to_thread(engine.stdout.readline) == "added\n"
+        engine.wait(10)  # this loop is blocked meanwhile: it finds the step and the exit together
+        _, ev = await asyncio.wait_for(q.get(), 10)
+        assert ev.error == "rank 1 was killed", ev
+        await asyncio.sleep(0.2)
+        assert client.failure and "the engine process died" in client.failure
+        await client.shutdown()
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.kill()
+        engine.wait()
 
 
 def test_engine_death_fails_in_flight_requests(tiny_chat_model):

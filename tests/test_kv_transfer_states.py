@@ -266,13 +266,14 @@ def test_a_bad_kv_transfer_config_names_the_field(text, message):
 
 
 def test_data_parallel_engines_get_their_own_side_channel_and_engine_id():
-    """vLLM offsets the side-channel port by the data-parallel rank; a lease names its engine."""
+    """vLLM offsets the side-channel port by the data-parallel rank; a lease names its engine.
+    The launcher gives each engine its own (``EngineProcesses.start``), whatever the number of
+    API processes."""
     from leanserve.engine.config import EngineConfig
-    from leanserve.engine.dp_client import DataParallelClient
+    from leanserve.engine.launch import kv_side_channel
 
     kv = KVTransferConfig(kv_port=5600, engine_id="e")
-    client = DataParallelClient(EngineConfig(kv_transfer=kv).resolve(), [2], size=3)
-    assert [(e.config.engine.kv_transfer.kv_port, e.config.engine.kv_transfer.engine_id) for e in client.engines] \
-        == [(5600, "e-dp0"), (5601, "e-dp1"), (5602, "e-dp2")]
-    alone = DataParallelClient(EngineConfig(kv_transfer=kv).resolve(), [2], size=1)
-    assert alone.engines[0].config.engine.kv_transfer == kv
+    config = EngineConfig(kv_transfer=kv).resolve()
+    engines = [kv_side_channel(config, k, 3).engine.kv_transfer for k in range(3)]
+    assert [(e.kv_port, e.engine_id) for e in engines] == [(5600, "e-dp0"), (5601, "e-dp1"), (5602, "e-dp2")]
+    assert kv_side_channel(config, 0, 1).engine.kv_transfer == kv

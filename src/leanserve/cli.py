@@ -101,20 +101,22 @@ def cmd_chat(a) -> None:
 
 
 def cmd_serve(a) -> None:
-    from .server.app import ServerConfig, serve
+    from .server.app import ServerConfig
+    from .server.launcher import serve
 
     engine = _engine_config(a)
     if a.kv_transfer_config is not None:
         from .engine.kv_transfer.config import KVTransferConfig
 
         engine.kv_transfer = KVTransferConfig.from_json(a.kv_transfer_config).with_engine_id()
-    # build_app resolves the flags before any process starts: a bad one is a line from main().
+    # serve checks the flags before any process starts: a bad one is a line from main().
     serve(ServerConfig(engine=engine, host=a.host, port=a.port, served_model_name=a.served_model_name,
                        api_key=a.api_key, max_waiting_requests=a.max_waiting_requests,
                        max_request_body_bytes=a.max_request_body_bytes, shutdown_timeout=a.shutdown_timeout,
                        watchdog_timeout=a.watchdog_timeout, data_parallel_size=a.data_parallel_size,
-                       enable_auto_tool_choice=a.enable_auto_tool_choice, tool_call_parser=a.tool_call_parser,
-                       chat_template=a.chat_template, generation_config=a.generation_config))
+                       api_server_count=a.api_server_count, enable_auto_tool_choice=a.enable_auto_tool_choice,
+                       tool_call_parser=a.tool_call_parser, chat_template=a.chat_template,
+                       generation_config=a.generation_config))
 
 
 def cmd_router(a) -> None:
@@ -155,7 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", default=None)
     s.add_argument("--api-key", default=None)
     s.add_argument("--max-waiting-requests", type=int, default=1024,
-                   help="sequences in flight (running + queued) past which new requests get 503")
+                   help="sequences in flight (running + queued) per engine and API process past which new "
+                        "requests get 503")
     s.add_argument("--max-request-body-bytes", type=_bytes, default=4 << 20,
                    help="larger request bodies get 413 (default 4M)")
     s.add_argument("--shutdown-timeout", type=float, default=5.0,
@@ -166,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="engine-core processes, each with its own model copy and KV cache; requests go to the "
                         "least loaded (on CPU each gets cores / N threads)")
+    s.add_argument("--api-server-count", "-asc", type=int, default=1,
+                   help="API processes sharing the port (HTTP, tokenization, detokenization), all in front of "
+                        "the same engines")
     s.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='tool_choice "auto" (the default with tools): the model decides, its tool calls are '
                         "parsed with --tool-call-parser")

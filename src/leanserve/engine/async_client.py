@@ -1,12 +1,14 @@
-"""The async client: the API process's handle on the engine-core process it spawns.
+"""The async client: an API process's handle on one engine-core process (started by the
+launcher, ``launch.EngineProcesses``; reached through ``endpoints.EngineEndpoints``).
 
-Spawns the engine process, sends it requests (prompt as a raw int32 frame) and aborts, and
-reads its per-iteration outputs in one asyncio task, demultiplexing rows to per-request queues.
+Sends the engine requests (prompt as a raw int32 frame) and aborts, and reads its per-iteration
+outputs in one asyncio task, demultiplexing the rows this client holds to per-request queues.
 
 What can go wrong, and what each pending request then sees (nothing ever waits silently):
   * one request's output cannot be read: that request fails (see ``demux``), no other;
-  * the output reader task dies, or the engine process exits: every pending request fails at
-    once with the reason, ``failure`` is set and /health answers 503 from then on;
+  * the output reader task dies, or the engine process exits (a pidfd tells at once, in every
+    API process): every pending request fails with the reason, ``failure`` is set and /health
+    answers 503 from then on;
   * the engine stops making progress (no message for ``watchdog_timeout`` seconds, e.g. the
     process is frozen, or one iteration has run that long; the engine logs its loop's stack
     then): ``stalled`` is set and /health answers 503 until it moves again;
@@ -18,9 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing
 import os
-import tempfile
 import time
 
 import msgspec
@@ -28,21 +28,21 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from .config import ResolvedConfig
+from .endpoints import EngineEndpoints
 from .kv_transfer.messages import RemotePrefill
 from .messages import (STATS_PERIOD_S, Abort, Add, EngineStats, FromEngine, Ready, Rejected, RequestIds, Step,
                        TokenEvent, demux)
 from .params import SamplingParams
-from .process import run_engine_process
 from .request import FinishReason
 
 log = logging.getLogger("leanserve.server")
 
 SHUTTING_DOWN = "the server is shutting down"
-WATCHDOG_PERIOD_S = 0.5  # how often the process and progress checks run
+WATCHDOG_PERIOD_S = 0.5  # how often the progress check runs
 # Silence shorter than this is normal: snapshots leave every 0.5-1 s (the output thread checks the
 # clock when its queue wait times out), so a heartbeat counts as missed only well after that.
 MIN_SILENCE_S = 4 * STATS_PERIOD_S
+LAST_WORDS_S = 0.02  # from an engine's exit to failing its requests (see _on_process_exit)
 
 
 class EngineDeadError(RuntimeError):
@@ -54,13 +54,12 @@ class EngineOverloaded(RuntimeError):
 
 
 class AsyncEngineClient:
-    def __init__(self, config: ResolvedConfig, eos_token_ids: list[int], on_stats=None, max_pending: int = 1024,
-                 watchdog_timeout: float = 60.0, engine_index: int = 0, id_base: int = 0):
-        """``engine_index`` and ``id_base``: this engine's place among data-parallel ones (see
-        :mod:`.dp_client`); its request ids start at ``id_base``."""
-        self.config = config
-        self.engine_index = engine_index
-        self.eos_token_ids = eos_token_ids
+    def __init__(self, endpoints: EngineEndpoints, engine_index: int = 0, client_index: int = 0, on_stats=None,
+                 max_pending: int = 1024, watchdog_timeout: float = 60.0):
+        """``engine_index``: this engine's place among data-parallel ones (see :mod:`.dp_client`);
+        ``client_index``: this API process's among several; both are in the request ids."""
+        self.endpoints = endpoints
+        self.engine_index, self.client_index = engine_index, client_index
         self.on_stats = on_stats  # callback(EngineStats)
         self.max_pending = max_pending  # sequences in flight (running + queued) admitted at once
         self.watchdog_timeout = watchdog_timeout
@@ -70,10 +69,13 @@ class AsyncEngineClient:
         self.ready: Ready | None = None
         self.latest_stats: EngineStats | None = None
         self._last_heard = time.monotonic()
-        self._ids = RequestIds(id_base)
+        self._ids = RequestIds(engine_index, client_index)
+        # With several API processes every one receives each step whole and keeps its own rows
+        # (~15 us a step here); alone, every row is its own.
+        self._owner = self._ids if endpoints.num_clients > 1 else None
         self._queues: dict[int, tuple[asyncio.Queue, int]] = {}  # engine id -> (queue, sample index)
         self._tasks: list[asyncio.Task] = []
-        self._proc: multiprocessing.Process | None = None
+        self._pidfd: int | None = None
         self._encoder = msgspec.msgpack.Encoder()
 
     @property
@@ -83,24 +85,19 @@ class AsyncEngineClient:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self, timeout: float = 600.0) -> None:
-        self._dir = tempfile.mkdtemp(prefix="leanserve-")
-        in_addr, out_addr = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
+        """Binds this client's two sockets and waits for the engine's ``Ready``."""
+        k, c = self.engine_index, self.client_index
         self._ctx = zmq.asyncio.Context()
         self._to_engine = self._ctx.socket(zmq.PUSH)
-        self._to_engine.bind(in_addr)
+        self._to_engine.bind(self.endpoints.requests(k, c))
         self._from_engine = self._ctx.socket(zmq.PULL)
-        self._from_engine.bind(out_addr)
-        spawn = multiprocessing.get_context("spawn")
-        self._proc = spawn.Process(
-            target=run_engine_process, name=f"leanserve-engine-{self.engine_index}", daemon=True,
-            args=(self.config, list(self.eos_token_ids), in_addr, out_addr, os.getpid(), self.watchdog_timeout),
-        )
-        self._proc.start()
+        self._from_engine.bind(self.endpoints.outputs(k, c))
+        self._watch_process(self.endpoints.engine_pids[k])
         decoder = msgspec.msgpack.Decoder(FromEngine)
         deadline = time.monotonic() + timeout
         while self.ready is None:
-            if not self._proc.is_alive():
-                raise EngineDeadError(f"the engine process exited during start-up (exit code {self._proc.exitcode})")
+            if self.failure is not None:
+                raise EngineDeadError(f"{self.failure} during start-up")
             if time.monotonic() > deadline:
                 raise EngineDeadError("the engine process did not become ready in time")
             if await self._from_engine.poll(200):
@@ -130,11 +127,10 @@ class AsyncEngineClient:
             t.cancel()
         # Wait for the tasks to leave their socket calls before the sockets go away.
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._proc is not None and self._proc.is_alive():
-            self._proc.terminate()
-            self._proc.join(5)
-            if self._proc.is_alive():
-                self._proc.kill()
+        if self._pidfd is not None:
+            asyncio.get_running_loop().remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = None
         self._ctx.destroy(linger=0)
 
     # ------------------------------------------------------------------ requests
@@ -183,7 +179,7 @@ class AsyncEngineClient:
             msg = decoder.decode(await sock.recv())
             self._last_heard = time.monotonic()
             if isinstance(msg, Step):
-                for rid, ev in demux(msg.out):
+                for rid, ev in demux(msg.out, self._owner):
                     entry = queues.get(rid)
                     if entry is None:
                         continue  # aborted by us already
@@ -200,12 +196,28 @@ class AsyncEngineClient:
                     entry[0].put_nowait((entry[1], TokenEvent(-1, FinishReason.ERROR, error=msg.error)))
                     n += 1
 
+    def _watch_process(self, pid: int) -> None:
+        """Fails everything the moment the engine process exits: its pidfd turns readable then,
+        whoever its parent is (with several API processes, the launcher is)."""
+        try:
+            self._pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            self._fail(f"the engine process died (pid {pid})")
+            return
+        asyncio.get_running_loop().add_reader(self._pidfd, self._on_process_exit, pid)
+
+    def _on_process_exit(self, pid: int) -> None:
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(self._pidfd)
+        # What the engine sent last (a failed step's errors, e.g. naming a dead tensor-parallel
+        # rank) left it before it exited (process._drain), but may wait unread in this socket,
+        # ready in the same turn of the loop as the pidfd: the reader delivers it first, so those
+        # requests end with their own reason rather than this one.
+        loop.call_later(LAST_WORDS_S, self._fail, f"the engine process died ({exit_status(self._pidfd, pid)})")
+
     async def _watchdog(self) -> None:
         while True:
             await asyncio.sleep(WATCHDOG_PERIOD_S)
-            if not self._proc.is_alive():
-                self._fail(f"the engine process died (exit code {self._proc.exitcode})")
-                return
             self._check_progress()
 
     def _check_progress(self) -> None:
@@ -246,3 +258,14 @@ class AsyncEngineClient:
         self._queues.clear()
         if reason == FinishReason.ABORT and ids:
             self._to_engine.send_multipart([self._encoder.encode(Abort(ids))])
+
+
+def exit_status(pidfd: int, pid: int) -> str:
+    """"pid P, exit code C" where this process is the exited one's parent (with one API process
+    it is also the launcher); "pid P" elsewhere (the launcher logs the code)."""
+    try:  # WNOWAIT: the child stays for its reaper (multiprocessing's join)
+        info = os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOWAIT)
+    except ChildProcessError:
+        return f"pid {pid}"
+    code = -info.si_status if info.si_code in (os.CLD_KILLED, os.CLD_DUMPED) else info.si_status
+    return f"pid {pid}, exit code {code}"

@@ -1,48 +1,40 @@
 """Data-parallel engines (vLLM's ``--data-parallel-size``): N engine-core processes, each with its
-own model copy and KV cache, behind one API process.
+own model copy and KV cache, behind the API process(es); this is one API process's view of them.
 
 Each request goes to the live engine with the fewest sequences in flight from this process
-(running + waiting + in transit: exact here, since every request of these engines passes through
-this client; ties go round robin). A request's ids carry its engine's index in their top bits
-(``RequestIds(engine << ENGINE_ID_SHIFT)``), so an abort finds its engine with a shift, not a
-per-request map. With one engine this is a thin pass-through: the server has one client path.
+(running + waiting + in transit: exact with one API process; with several, each balances its
+own share; ties go round robin). A request's ids carry its engine's index in their top bits
+(``messages.RequestIds``), so an abort finds its engine with a shift, not a per-request map.
+With one engine this is a thin pass-through: the server has one client path.
 
-One engine dying fails only its own pending requests (its client does that within the watchdog
-period) and leaves the rotation; the others keep serving while ``unavailable`` reports the
+One engine dying fails only its own pending requests (its client does that the moment the
+process exits) and leaves the rotation; the others keep serving while ``unavailable`` reports the
 degraded state, so /health answers 503 until every engine serves again.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import os
 
-import msgspec
 import numpy as np
 
 from .async_client import AsyncEngineClient, EngineDeadError, EngineOverloaded
-from .config import ResolvedConfig
+from .endpoints import EngineEndpoints
 from .kv_transfer.messages import RemotePrefill
-from .messages import Ready
+from .messages import ENGINE_ID_SHIFT, Ready
 from .params import SamplingParams
-
-# Engine ids of engine k start at k << 48: 2^48 ids per engine outlast any server's life.
-ENGINE_ID_SHIFT = 48
 
 
 class DataParallelClient:
-    def __init__(self, config: ResolvedConfig, eos_token_ids: list[int], size: int = 1, on_stats=None,
-                 max_pending: int = 1024, watchdog_timeout: float = 60.0):
-        """``on_stats(engine_index, EngineStats)``; ``max_pending``: sequences in flight per engine."""
-        if size < 1:
-            raise ValueError(f"data_parallel_size: must be >= 1, got {size}")
-        config = _split_threads(config, size)
+    def __init__(self, endpoints: EngineEndpoints, client_index: int = 0, on_stats=None, max_pending: int = 1024,
+                 watchdog_timeout: float = 60.0):
+        """``client_index``: this API process's among ``endpoints.num_clients``;
+        ``on_stats(engine_index, EngineStats)``; ``max_pending``: sequences in flight per engine
+        from this API process."""
         self.engines = [
-            AsyncEngineClient(_kv_side_channel(config, k, size), eos_token_ids,
-                              None if on_stats is None else _bind(on_stats, k), max_pending, watchdog_timeout,
-                              engine_index=k, id_base=k << ENGINE_ID_SHIFT)
-            for k in range(size)
+            AsyncEngineClient(endpoints, k, client_index, None if on_stats is None else _bind(on_stats, k),
+                              max_pending, watchdog_timeout)
+            for k in range(endpoints.num_engines)
         ]
         self.max_pending = max_pending
         self.ready: Ready | None = None
@@ -111,26 +103,6 @@ class DataParallelClient:
             return down[0][1]  # e.g. all draining: one reason, said once
         return f"degraded: {len(down)} of {len(self.engines)} engines down: " + \
             "; ".join(f"engine {k}: {why}" for k, why in down)
-
-
-def _split_threads(config: ResolvedConfig, size: int) -> ResolvedConfig:
-    """N engines on one CPU share its cores: without a ``threads`` setting each gets cores / N
-    intra-op threads, since more OpenMP threads than cores turn every barrier into a sleep in
-    the kernel (a batch-1 forward ran ~2x slower so, see EngineLoop)."""
-    if size == 1 or config.engine.threads or not config.model.device.startswith("cpu"):
-        return config
-    threads = max(1, (os.cpu_count() or 1) // size)
-    return dataclasses.replace(config, engine=dataclasses.replace(config.engine, threads=threads))
-
-
-def _kv_side_channel(config: ResolvedConfig, k: int, size: int) -> ResolvedConfig:
-    """Engine k of several: its own KV side channel, ``kv_port + k`` (vLLM offsets its side-channel
-    port by the data-parallel rank), and its own engine id."""
-    kv = config.engine.kv_transfer
-    if kv is None or size == 1:
-        return config
-    kv = msgspec.structs.replace(kv, kv_port=kv.kv_port + k, engine_id=f"{kv.engine_id}-dp{k}")
-    return dataclasses.replace(config, engine=dataclasses.replace(config.engine, kv_transfer=kv))
 
 
 def _bind(on_stats, engine_index: int):

@@ -7,7 +7,8 @@ API -> engine (PUSH/PULL), multipart: frame 0 is a msgpack-encoded ``Add`` or ``
 ``np.frombuffer`` without copying.
 Engine -> API (PUSH/PULL): one ``StepOutput`` per iteration, and an ``EngineStats`` snapshot
 every half second (counters, gauges and the iteration rows recorded since the last one), which
-doubles as the engine's heartbeat.
+doubles as the engine's heartbeat. An engine serving several API processes (``--api-server-count``)
+sends every message to each of them; each reads the rows whose ids it gave out (``RequestIds``).
 """
 
 from __future__ import annotations
@@ -110,16 +111,21 @@ class TokenEvent:
     kv_lease: KVLease | None = None  # on a prefill's finishing event: its blocks wait for a decode worker
 
 
-def demux(out: StepOutput) -> Iterator[tuple[int, TokenEvent]]:
-    """One event per row. A row that cannot be read becomes an error event for its own request:
-    one request's output never stops the others' (the reader that calls this is shared)."""
+def demux(out: StepOutput, owner: RequestIds | None = None) -> Iterator[tuple[int, TokenEvent]]:
+    """One event per row. With ``owner``, only the rows whose ids it gave out are read: an engine
+    serving several API processes sends each of them every step (the few aborted and failed ids
+    all pass; readers ignore ids they do not hold). A row that cannot be read becomes an error
+    event for its own request: one request's output never stops the others' (the reader is shared)."""
     ids, toks, reasons, cached = out.arrays()
     lps = np.frombuffer(out.logprobs, np.float32) if out.logprobs is not None else None
     k = out.top_k
     top_ids = np.frombuffer(out.top_ids, np.int32).reshape(-1, k) if k else None
     top_lps = np.frombuffer(out.top_logprobs, np.float32).reshape(-1, k) if k else None
     leases = {lease.request_id: lease for lease in out.leases}
-    for i, rid in enumerate(ids.tolist()):
+    rows = range(len(ids)) if owner is None else np.flatnonzero(owner.holds(ids)).tolist()
+    id_list = ids.tolist()
+    for i in rows:
+        rid = id_list[i]
         try:
             ev = TokenEvent(int(toks[i]), FinishReason(int(reasons[i])), int(cached[i]))
             if lps is not None:
@@ -137,9 +143,9 @@ def demux(out: StepOutput) -> Iterator[tuple[int, TokenEvent]]:
     for rid in np.frombuffer(out.aborted, np.int64).tolist():
         yield rid, TokenEvent(-1, FinishReason.ABORT)
     if out.errors:
-        rows = set(ids.tolist())
+        listed = set(id_list)
         for rid, error in out.errors.items():
-            if rid not in rows:
+            if rid not in listed:
                 yield rid, TokenEvent(-1, FinishReason.ERROR, error=error)
 
 
@@ -150,16 +156,30 @@ def _prompt_logprobs(lp: bytes, ids: bytes, tlp: bytes, k: int) -> tuple[np.ndar
     return lp, np.frombuffer(ids, np.int32).reshape(len(lp), k), np.frombuffer(tlp, np.float32).reshape(len(lp), k)
 
 
-class RequestIds:
-    """Engine request ids: a request of n samples takes n consecutive ids, ``base .. base + n - 1``
-    (the engine derives the samples' ids from ``Add.request_id`` the same way)."""
+# An engine request id names its holder in its top bits: [engine index | API process index |
+# counter]. An abort finds its engine with a shift (no per-request table), and an API process
+# picks its own rows out of a step sent to all of them with one vectorised compare.
+ENGINE_ID_SHIFT = 48
+CLIENT_ID_SHIFT = 40  # 2^40 ids per API process and engine: 12 days at a million requests/s
+MAX_CLIENTS = 1 << (ENGINE_ID_SHIFT - CLIENT_ID_SHIFT)  # API processes the id layout can tell apart
 
-    def __init__(self, start: int = 0):
-        self._next = start
+
+class RequestIds:
+    """The engine request ids one API process (``client``) gives out for one ``engine``: a request
+    of n samples takes n consecutive ids, ``base .. base + n - 1`` (the engine derives the
+    samples' ids from ``Add.request_id`` the same way)."""
+
+    def __init__(self, engine: int = 0, client: int = 0):
+        self._prefix = engine << (ENGINE_ID_SHIFT - CLIENT_ID_SHIFT) | client
+        self._next = self._prefix << CLIENT_ID_SHIFT
 
     def take(self, n: int) -> int:
         base, self._next = self._next, self._next + n
         return base
+
+    def holds(self, ids: np.ndarray) -> np.ndarray:
+        """Which of ``ids`` (int64) were given out here."""
+        return (ids >> CLIENT_ID_SHIFT) == self._prefix
 
 
 class Add(msgspec.Struct, tag="add", array_like=True, gc=False):

@@ -1,16 +1,17 @@
 """The engine-core process: the executor loop and nothing else.
 
-Three threads, each with one job (and its own ZeroMQ socket):
-  * input:  receive and decode Add/Abort messages, enqueue them (O(1) per request);
+Three threads, each with one job (and its own ZeroMQ sockets; see ``endpoints`` for their layout):
+  * input:  receive and decode Add/Abort messages from every API process, enqueue them (O(1)
+            per request);
   * main:   build the EngineCore, then EngineCore.step() while there is work (the thread that
             loaded the model runs its forwards: see EngineLoop);
-  * output: encode each iteration's StepOutput and send it; send a stats snapshot every 0.5 s,
-            which is also the heartbeat the API process watches; and act as the hang detector:
-            when one iteration has run longer than the watchdog timeout, log the loop thread's
-            stack (once per stall), so the log shows where it is stuck.
+  * output: encode each iteration's StepOutput and send it to every API process; send a stats
+            snapshot every 0.5 s, which is also the heartbeat the API processes watch; and act
+            as the hang detector: when one iteration has run longer than the watchdog timeout,
+            log the loop thread's stack (once per stall), so the log shows where it is stuck.
 No JSON, tokenization or detokenization ever runs here. If the loop itself raises (a bug outside
-the per-iteration error handling), the process logs it and exits non-zero: the API process then
-fails every pending request at once.
+the per-iteration error handling), the process logs it and exits non-zero: every API process then
+fails its pending requests at once.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import gc
 import logging
 import os
 import queue
+import signal
 import sys
 import threading
 import time
@@ -36,13 +38,17 @@ from .messages import (STATS_PERIOD_S, Abort, Add, EngineStats, FromEngine, KVTr
 log = logging.getLogger("leanserve.engine")
 
 
-def run_engine_process(config: ResolvedConfig, eos_token_ids: list[int], in_addr: str, out_addr: str,
+def run_engine_process(config: ResolvedConfig, eos_token_ids: list[int], in_addrs: list[str], out_addrs: list[str],
                        parent_pid: int, watchdog_timeout: float) -> None:
+    """``in_addrs`` / ``out_addrs``: one per API process (``endpoints.EngineEndpoints``)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
+    # Ctrl-C reaches the whole process group; the launcher stops the engines itself, after the
+    # API processes have drained their requests.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     core = EngineCore.from_config(config, eos_token_ids)
     outbox: queue.SimpleQueue = queue.SimpleQueue()
     ctx = zmq.Context()
-    threading.Thread(target=_input_thread, args=(ctx, in_addr, core, outbox), daemon=True,
+    threading.Thread(target=_input_thread, args=(ctx, in_addrs, core, outbox), daemon=True,
                      name="leanserve-input").start()
     loop = EngineLoop(core, lambda out: outbox.put(Step(out)))
     outbox.put(Ready(core.max_model_len, core.vocab_size, core.kv.pool.num_blocks))
@@ -50,7 +56,7 @@ def run_engine_process(config: ResolvedConfig, eos_token_ids: list[int], in_addr
     # GC pauses in the loop stay short (vLLM does the same).
     gc.collect()
     gc.freeze()
-    threading.Thread(target=_output_thread, args=(ctx, out_addr, loop, outbox, parent_pid, watchdog_timeout),
+    threading.Thread(target=_output_thread, args=(ctx, out_addrs, loop, outbox, parent_pid, watchdog_timeout),
                      daemon=True, name="leanserve-output").start()
     try:
         loop.run()
@@ -71,9 +77,10 @@ def _drain(outbox: queue.SimpleQueue, timeout: float = 1.0) -> None:
     time.sleep(0.1)
 
 
-def _input_thread(ctx: zmq.Context, addr: str, core: EngineCore, outbox: queue.SimpleQueue) -> None:
+def _input_thread(ctx: zmq.Context, addrs: list[str], core: EngineCore, outbox: queue.SimpleQueue) -> None:
     sock = ctx.socket(zmq.PULL)
-    sock.connect(addr)
+    for addr in addrs:  # one PULL for every API process: ZeroMQ queues fairly among them
+        sock.connect(addr)
     decoder = msgspec.msgpack.Decoder(ToEngine)
     while True:
         frames = sock.recv_multipart(copy=False)
@@ -88,10 +95,19 @@ def _input_thread(ctx: zmq.Context, addr: str, core: EngineCore, outbox: queue.S
             core.abort(msg.request_ids)
 
 
-def _output_thread(ctx, addr, loop: EngineLoop, outbox: queue.SimpleQueue, parent_pid: int,
+def _output_thread(ctx, addrs: list[str], loop: EngineLoop, outbox: queue.SimpleQueue, parent_pid: int,
                    watchdog_timeout: float) -> None:
-    sock = ctx.socket(zmq.PUSH)
-    sock.connect(addr)
+    socks = [ctx.socket(zmq.PUSH) for _ in addrs]
+    for sock, addr in zip(socks, addrs):
+        sock.connect(addr)
+
+    def send(buf: bytearray) -> None:
+        # Every message goes to every API process, which keeps its own rows (messages.demux):
+        # splitting steps by owner here would cost the engine more than a second copy of a
+        # few kB costs (bench/results/api_server.md).
+        for sock in socks:
+            sock.send(buf, copy=True)
+
     encoder = msgspec.msgpack.Encoder()
     buf = bytearray()
     last_stats = time.monotonic()
@@ -101,12 +117,12 @@ def _output_thread(ctx, addr, loop: EngineLoop, outbox: queue.SimpleQueue, paren
         try:
             msg: FromEngine = outbox.get(timeout=STATS_PERIOD_S)
             encoder.encode_into(msg, buf)  # one reused buffer, no allocation per message
-            sock.send(buf, copy=True)
+            send(buf)
         except queue.Empty:
             pass
         now = time.monotonic()
         if now - last_stats >= STATS_PERIOD_S:
-            if os.getppid() != parent_pid:  # the API process is gone: do not linger as an orphan
+            if os.getppid() != parent_pid:  # the launcher is gone: do not linger as an orphan
                 os._exit(0)
             started = loop.step_started
             step_s = now - started if started is not None else 0.0
@@ -115,7 +131,7 @@ def _output_thread(ctx, addr, loop: EngineLoop, outbox: queue.SimpleQueue, paren
                 _log_stack(loop, step_s)
             snapshot, stats_seen = _snapshot(loop.core, stats_seen, step_s)
             encoder.encode_into(snapshot, buf)
-            sock.send(buf, copy=True)
+            send(buf)
             last_stats = now
 
 

@@ -1,7 +1,9 @@
-"""The API process: FastAPI app, OpenAI routes, errors as OpenAI error objects, and serve().
+"""The API process: FastAPI app, OpenAI routes, errors as OpenAI error objects, and
+``run_api_server``, what every API process runs (the launcher, ``server/launcher.py``, starts
+them and the engines).
 
 This process does HTTP, JSON, tokenization, chat templates, detokenization and stop strings;
-the engine-core process (spawned at start-up by ``engine.async_client``) runs only the loop.
+the engine-core processes run only the loop.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -22,8 +25,9 @@ from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
 from .. import __version__
-from ..engine.dp_client import DataParallelClient
 from ..engine.config import EngineConfig
+from ..engine.dp_client import DataParallelClient
+from ..engine.endpoints import EngineEndpoints
 from ..engine.stats import FIELDS
 from ..tokenizer import Tokenizer
 from ..tokenizer.chat_template import read_chat_template
@@ -32,7 +36,6 @@ from .middleware import Gatekeeper
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, InvalidString,
                        TokenizeRequest, error_response)
 from .serving import ServerState, chat_prompt_ids, create_chat_completion, create_completion, prompt_ids
-from .sampling_defaults import sampling_defaults
 from .tool_calls import TOOL_CALL_PARSERS
 
 log = logging.getLogger("leanserve.server")
@@ -52,6 +55,7 @@ class ServerConfig:
     shutdown_timeout: float = 5.0  # seconds to let in-flight requests finish on SIGTERM
     watchdog_timeout: float = 60.0  # seconds without engine progress before /health turns 503
     data_parallel_size: int = 1  # engine-core processes, each a model copy (see engine/dp_client.py)
+    api_server_count: int = 1  # API processes sharing the port (see server/launcher.py)
     # vLLM's flags: tool_choice "auto" parses the model's own tool-call format with this parser.
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
@@ -65,19 +69,32 @@ class ServerConfig:
             raise ValueError(f"--tool-call-parser: one of {', '.join(TOOL_CALL_PARSERS)}, got {self.tool_call_parser!r}")
 
 
-def build_app(cfg: ServerConfig) -> FastAPI:
-    cfg.validate()
-    resolved = cfg.engine.resolve()
-    path = resolved.model.path
+@dataclass(frozen=True)
+class ServerPlan:
+    """What every API process is built from, settled once by the launcher before any API process
+    starts (flags checked, model resolved, sampling defaults read, engines started) and sent to
+    each as is."""
+
+    config: ServerConfig
+    model_path: str  # as resolved (engine.config.ResolvedConfig)
+    sampling_defaults: dict
+    endpoints: EngineEndpoints
+
+
+def load_tokenizer(cfg: ServerConfig, path: str) -> Tokenizer:
     tokenizer = Tokenizer.from_pretrained(path)
     if cfg.chat_template is not None:
         tokenizer.set_chat_template(read_chat_template(cfg.chat_template))
-    defaults = sampling_defaults(cfg.generation_config, path)
+    return tokenizer
+
+
+def build_app(plan: ServerPlan, tokenizer: Tokenizer, api_index: int = 0) -> FastAPI:
+    """The app of API process ``api_index`` (of ``plan.endpoints.num_clients``)."""
+    cfg, path, defaults, endpoints = plan.config, plan.model_path, plan.sampling_defaults, plan.endpoints
     model_name = cfg.served_model_name or _default_name(path)
-    metrics = ServerMetrics(model_name, cfg.data_parallel_size, kv_transfer=cfg.engine.kv_transfer is not None)
-    engine = DataParallelClient(resolved, list(tokenizer.eos_token_ids), cfg.data_parallel_size,
-                                on_stats=metrics.on_engine_stats, max_pending=cfg.max_waiting_requests,
-                                watchdog_timeout=cfg.watchdog_timeout)
+    metrics = ServerMetrics(model_name, endpoints.num_engines, kv_transfer=cfg.engine.kv_transfer is not None)
+    engine = DataParallelClient(endpoints, api_index, on_stats=metrics.on_engine_stats,
+                                max_pending=cfg.max_waiting_requests, watchdog_timeout=cfg.watchdog_timeout)
     tokenizer.max_token_chars  # computed now (~0.1 s), not by the first request
 
     @contextlib.asynccontextmanager
@@ -104,7 +121,8 @@ def build_app(cfg: ServerConfig) -> FastAPI:
     app = FastAPI(title="leanserve", version=__version__, lifespan=lifespan)
     created = int(time.time())
 
-    app.add_middleware(Gatekeeper, api_key=cfg.api_key, max_body_bytes=cfg.max_request_body_bytes)
+    app.add_middleware(Gatekeeper, api_key=cfg.api_key, max_body_bytes=cfg.max_request_body_bytes,
+                       in_progress=metrics.in_progress)
 
     @app.exception_handler(APIError)
     async def _api_error(_, e: APIError):
@@ -205,15 +223,17 @@ def _default_name(path: str) -> str:
     return name[:-5] if name.endswith(".gguf") else name
 
 
-def serve(cfg: ServerConfig) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    app = build_app(cfg)
+def run_api_server(plan: ServerPlan, tokenizer: Tokenizer, api_index: int, sock: socket.socket) -> None:
+    """Serves on ``sock`` (bound by the launcher, shared by every API process) until SIGTERM or
+    SIGINT, then drains (``DrainingServer``)."""
+    cfg = plan.config
+    app = build_app(plan, tokenizer, api_index)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
                             timeout_graceful_shutdown=cfg.shutdown_timeout + SEND_GRACE_S)
     # uvicorn re-raises SIGTERM after its shutdown under the handler found at start; this one
     # ends the process with status 0, as a shutdown that completed cleanly should.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    DrainingServer(config, cfg.shutdown_timeout).run()
+    DrainingServer(config, cfg.shutdown_timeout).run(sockets=[sock])
 
 
 # After the drain deadline ends the remaining requests, their last chunks still have to be sent.

@@ -1,5 +1,5 @@
-"""The one ASGI middleware in front of every route: API key, request-body size, and the last line
-of defence for errors.
+"""The one ASGI middleware in front of every route: API key, request-body size, the count of
+OpenAI API requests in progress, and the last line of defence for errors.
 
 It is plain ASGI rather than Starlette's ``BaseHTTPMiddleware``, which runs the route in a task
 of its own and hides the client's ``http.disconnect`` from it; the routes here wait for that
@@ -27,10 +27,12 @@ class BodyTooLarge(HTTPException):
 
 
 class Gatekeeper:
-    def __init__(self, app, api_key: str | None, max_body_bytes: int):
+    def __init__(self, app, api_key: str | None, max_body_bytes: int, in_progress):
+        """``in_progress``: a Prometheus gauge of /v1/ requests being served."""
         self.app = app
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
+        self.in_progress = in_progress
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -62,6 +64,9 @@ class Gatekeeper:
             started = started or message["type"] == "http.response.start"
             await send(message)
 
+        counted = scope["path"].startswith("/v1/")
+        if counted:
+            self.in_progress.inc()
         try:
             await self.app(scope, counting_receive, tracking_send)
         except Exception:  # noqa: BLE001 - any handler bug: a 500 in OpenAI's shape, logged once
@@ -70,3 +75,6 @@ class Gatekeeper:
             if not started:
                 await error_response(500, f"internal server error (request {request_id}); see the server log")(
                     scope, receive, send)
+        finally:
+            if counted:
+                self.in_progress.dec()
