@@ -1,16 +1,23 @@
 """Shared fixtures: the default model, and tiny random models of every supported architecture
-written by transformers' own ``save_pretrained`` (the reference implementation)."""
+written by transformers' own ``save_pretrained`` (the reference implementation), and a
+Ray cluster on loopback."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 
 from leanserve.model import default_model_path
 from leanserve.tokenizer import Tokenizer
+
+from .server_util import free_port
 
 torch.set_num_threads(2)
 
@@ -86,3 +93,35 @@ def tiny_chat_model(tiny_model_dir, default_model, tmp_path_factory) -> str:
     shutil.copytree(tiny_model_dir("llama"), path)
     write_chat_template(path, GGUFFile(default_model).metadata["tokenizer.chat_template"])
     return path
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory):
+    """A one-node Ray cluster on this machine, started as a user would (``ray start --head``),
+    stopped with its process group; its address, for ``RAY_ADDRESS``. One per test module that
+    uses it (~10 s to start): it is not left running through the rest of the suite."""
+    pytest.importorskip("ray", reason="ray is not installed: pip install 'leanserve[ray]'")
+    port = free_port()
+    log = tmp_path_factory.mktemp("raylog") / "head.log"
+    with open(log, "w") as out:
+        head = subprocess.Popen(
+            [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+             f"--port={port}", "--num-cpus=8", "--object-store-memory=80000000", "--include-dashboard=false",
+             "--disable-usage-stats", f"--temp-dir={tmp_path_factory.mktemp('ray')}"],
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while "Ray runtime started" not in log.read_text():
+            assert head.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.5)
+        yield f"127.0.0.1:{port}"
+    finally:
+        import ray
+
+        ray.shutdown()
+        os.killpg(head.pid, signal.SIGTERM)
+        try:  # the raylet goes at once; the GCS may linger 20 s and more, holding nothing a test needs
+            head.wait(5)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+            head.wait()

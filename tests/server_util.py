@@ -21,9 +21,10 @@ def free_port() -> int:
 
 
 class LiveServer:
-    def __init__(self, model: str | None, *args: str, timeout: float = 180.0, log_path: str | None = None):
+    def __init__(self, model: str | None, *args: str, timeout: float = 180.0, log_path: str | None = None,
+                 env: dict[str, str] | None = None):
         """``log_path``: where the server's log goes (default: a temporary file, removed at
-        ``stop``); read it with ``log_text``."""
+        ``stop``); read it with ``log_text``. ``env``: added to this process's environment."""
         self.port = free_port()
         self._own_log = log_path is None
         if self._own_log:
@@ -34,7 +35,8 @@ class LiveServer:
         cmd = [sys.executable, "-m", "leanserve.cli", "serve", *([model] if model else []), "--port", str(self.port),
                "--dtype", "float32", *args]
         self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=None if env is None else os.environ | env)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -66,7 +68,7 @@ class LiveServer:
         return self._logged_pids("API server processes")
 
     def _logged_pids(self, what: str) -> list[int]:
-        m = re.search(rf"{what}: pid ([\d, ]+)\n", self.log_text())
+        m = re.search(rf"{what}: pid (\d+(?:, \d+)*)", self.log_text())
         if m is None:
             raise RuntimeError(f"no '{what}' line in the server's log")
         return [int(p) for p in m.group(1).split(", ")]

@@ -116,7 +116,7 @@ def test_failed_requests_do_not_leak_admission_capacity(server):
 
 def test_submit_registers_nothing_when_the_message_cannot_be_sent():
     """The same class of leak, one level down: whatever ``submit`` raises, nothing stays held."""
-    client = AsyncEngineClient(EngineEndpoints("/nonexistent", num_engines=1, num_clients=1, engine_pids=(0,)))
+    client = AsyncEngineClient(dataclasses.replace(EngineEndpoints.ipc("/nonexistent", 1, 1), engine_pids=(0,)))
     with pytest.raises(UnicodeEncodeError):
         client.submit(np.array([1, 2], np.int32), SamplingParams(stop=["\udfff"]))
     assert client.num_pending == 0
@@ -362,7 +362,7 @@ def test_an_engines_last_words_reach_its_requests_before_its_death(tmp_path):
     """The API process notices an engine's exit at once (a pidfd), but a request the engine
     failed just before, with the reason, ends with that reason, even when the API process was
     too busy to read it before the exit (both then wait in the same turn of its loop)."""
-    endpoints = EngineEndpoints(str(tmp_path), num_engines=1, num_clients=1)
+    endpoints = EngineEndpoints.ipc(str(tmp_path), 1, 1)
     engine = subprocess.Popen([sys.executable, "-c", LAST_WORDS_ENGINE, endpoints.outputs(0, 0),
                                endpoints.requests(0, 0)], stdout=subprocess.PIPE, text=True)
 

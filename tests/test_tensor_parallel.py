@@ -32,7 +32,7 @@ from leanserve.model.attention import AttentionMetadata
 from leanserve.model.parallel import TensorParallel
 
 from .gguf_util import tiny_llama, write_llama_gguf
-from .server_util import LiveServer, free_port
+from .server_util import LiveServer
 from .test_checkpoints import ALL_TYPES
 from .test_engine import assert_same_greedy, prompts_of
 from .test_int4 import write_tiny_q4
@@ -268,7 +268,8 @@ def test_sizes_the_model_cannot_take_fail_at_start_up(default_model, size, messa
 
 @pytest.mark.parametrize("backend, device, message", [
     ("mpi", "cpu", "distributed_executor_backend (--distributed-executor-backend): 'mpi'; choose one of mp, ray"),
-    ("ray", "cuda", "distributed_executor_backend (--distributed-executor-backend): ray places CPU ranks only"),
+    ("ray", "cuda", "distributed_executor_backend (--distributed-executor-backend): ray places CPU ranks and "
+                    "engines only"),
 ])
 def test_bad_backends_fail_at_start_up(backend, device, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -448,37 +449,6 @@ def test_live_server_at_tp2_matches_tp1_and_a_dead_rank_fails_requests(tiny_chat
 
 
 # ------------------------------------------------------------------------------ Ray
-
-
-@pytest.fixture(scope="module")
-def ray_cluster(tmp_path_factory):
-    """A one-node Ray cluster on this machine, started as a user would (``ray start --head``),
-    stopped with its process group."""
-    pytest.importorskip("ray", reason="ray is not installed: pip install 'leanserve[ray]'")
-    port = free_port()
-    log = tmp_path_factory.mktemp("raylog") / "head.log"
-    with open(log, "w") as out:
-        head = subprocess.Popen(
-            [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--node-ip-address=127.0.0.1",
-             f"--port={port}", "--num-cpus=4", "--object-store-memory=80000000", "--include-dashboard=false",
-             "--disable-usage-stats", f"--temp-dir={tmp_path_factory.mktemp('ray')}"],
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 120
-        while "Ray runtime started" not in log.read_text():
-            assert head.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
-            time.sleep(0.5)
-        yield f"127.0.0.1:{port}"
-    finally:
-        import ray
-
-        ray.shutdown()
-        os.killpg(head.pid, signal.SIGTERM)
-        try:
-            head.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
-            head.wait()
 
 
 def test_ray_ranks_match_local_ones_and_a_dead_actor_fails_requests(tiny, ray_cluster, monkeypatch):

@@ -7,8 +7,9 @@ outputs in one asyncio task, demultiplexing the rows this client holds to per-re
 What can go wrong, and what each pending request then sees (nothing ever waits silently):
   * one request's output cannot be read: that request fails (see ``demux``), no other;
   * the output reader task dies, or the engine process exits (a pidfd tells at once, in every
-    API process): every pending request fails with the reason, ``failure`` is set and /health
-    answers 503 from then on;
+    API process; for a Ray actor, the launcher's ``Exited`` message as soon as Ray reports the
+    death): every pending request fails with the reason, ``failure`` is set and /health answers
+    503 from then on;
   * the engine stops making progress (no message for ``watchdog_timeout`` seconds, e.g. the
     process is frozen, or one iteration has run that long; the engine logs its loop's stack
     then): ``stalled`` is set and /health answers 503 until it moves again;
@@ -30,8 +31,8 @@ import zmq.asyncio
 
 from .endpoints import EngineEndpoints
 from .kv_transfer.messages import RemotePrefill
-from .messages import (STATS_PERIOD_S, Abort, Add, EngineStats, FromEngine, Ready, Rejected, RequestIds, Step,
-                       TokenEvent, demux)
+from .messages import (STATS_PERIOD_S, Abort, Add, EngineStats, Exited, FromEngine, Ready, Rejected, RequestIds,
+                       Step, TokenEvent, demux)
 from .params import SamplingParams
 from .request import FinishReason
 
@@ -42,7 +43,7 @@ WATCHDOG_PERIOD_S = 0.5  # how often the progress check runs
 # Silence shorter than this is normal: snapshots leave every 0.5-1 s (the output thread checks the
 # clock when its queue wait times out), so a heartbeat counts as missed only well after that.
 MIN_SILENCE_S = 4 * STATS_PERIOD_S
-LAST_WORDS_S = 0.02  # from an engine's exit to failing its requests (see _on_process_exit)
+LAST_WORDS_S = 0.02  # from an engine's exit to failing its requests (see _on_exit)
 
 
 class EngineDeadError(RuntimeError):
@@ -92,7 +93,8 @@ class AsyncEngineClient:
         self._to_engine.bind(self.endpoints.requests(k, c))
         self._from_engine = self._ctx.socket(zmq.PULL)
         self._from_engine.bind(self.endpoints.outputs(k, c))
-        self._watch_process(self.endpoints.engine_pids[k])
+        if self.endpoints.engine_pids:  # else a Ray actor's: its death comes as Exited
+            self._watch_process(self.endpoints.engine_pids[k])
         decoder = msgspec.msgpack.Decoder(FromEngine)
         deadline = time.monotonic() + timeout
         while self.ready is None:
@@ -104,6 +106,8 @@ class AsyncEngineClient:
                 msg = decoder.decode(await self._from_engine.recv())
                 if isinstance(msg, Ready):
                     self.ready = msg
+                elif isinstance(msg, Exited):
+                    self._fail(msg.reason)
         self._last_heard = time.monotonic()
         self._tasks = [asyncio.create_task(self._read_outputs(decoder), name="engine output reader"),
                        asyncio.create_task(self._watchdog(), name="engine watchdog")]
@@ -195,6 +199,8 @@ class AsyncEngineClient:
                 while (entry := queues.pop(msg.request_id + n, None)) is not None:
                     entry[0].put_nowait((entry[1], TokenEvent(-1, FinishReason.ERROR, error=msg.error)))
                     n += 1
+            elif isinstance(msg, Exited):
+                self._on_exit(msg.reason)
 
     def _watch_process(self, pid: int) -> None:
         """Fails everything the moment the engine process exits: its pidfd turns readable then,
@@ -207,13 +213,15 @@ class AsyncEngineClient:
         asyncio.get_running_loop().add_reader(self._pidfd, self._on_process_exit, pid)
 
     def _on_process_exit(self, pid: int) -> None:
-        loop = asyncio.get_running_loop()
-        loop.remove_reader(self._pidfd)
+        asyncio.get_running_loop().remove_reader(self._pidfd)
+        self._on_exit(f"the engine process died ({exit_status(self._pidfd, pid)})")
+
+    def _on_exit(self, reason: str) -> None:
         # What the engine sent last (a failed step's errors, e.g. naming a dead tensor-parallel
         # rank) left it before it exited (process._drain), but may wait unread in this socket,
-        # ready in the same turn of the loop as the pidfd: the reader delivers it first, so those
-        # requests end with their own reason rather than this one.
-        loop.call_later(LAST_WORDS_S, self._fail, f"the engine process died ({exit_status(self._pidfd, pid)})")
+        # ready in the same turn of the loop as the pidfd (or behind the launcher's Exited): the
+        # reader delivers it first, so those requests end with their own reason rather than this one.
+        asyncio.get_running_loop().call_later(LAST_WORDS_S, self._fail, reason)
 
     async def _watchdog(self) -> None:
         while True:

@@ -19,6 +19,7 @@ from .kv_transfer.config import KVTransferConfig
 log = logging.getLogger("leanserve.engine")
 
 BACKENDS = ("mp", "ray")
+BACKEND_FLAG = "distributed_executor_backend (--distributed-executor-backend)"
 
 
 @dataclass
@@ -63,19 +64,26 @@ class EngineConfig:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size (--tensor-parallel-size): must be >= 1, got "
                              f"{self.tensor_parallel_size}")
-        flag = "distributed_executor_backend (--distributed-executor-backend)"
         if self.distributed_executor_backend not in BACKENDS:
-            raise ValueError(f"{flag}: {self.distributed_executor_backend!r}; choose one of {', '.join(BACKENDS)}")
-        if self.distributed_executor_backend == "ray" and self.tensor_parallel_size > 1:
-            if not self.device.startswith("cpu"):
-                raise ValueError(f"{flag}: ray places CPU ranks only so far (rank 0's GPU is not tied to its "
-                                 f"Ray bundle yet); use mp on one {self.device} machine")
-            if importlib.util.find_spec("ray") is None:
-                raise ValueError(f"{flag}: ray is not installed: pip install 'leanserve[ray]'")
+            raise ValueError(f"{BACKEND_FLAG}: {self.distributed_executor_backend!r}; choose one of "
+                             f"{', '.join(BACKENDS)}")
+        if self.tensor_parallel_size > 1:
+            self.check_ray_placement()
         if self.kv_transfer is not None and self.tensor_parallel_size > 1:
             # Each rank holds its KV heads' slice of every block; the connector moves rank 0's.
             raise ValueError("kv_transfer (--kv-transfer-config): not supported with --tensor-parallel-size > 1 "
                              "yet (each rank holds a slice of the KV cache; only one rank's would move)")
+
+    def check_ray_placement(self) -> None:
+        """Ray is to place something (tensor-parallel ranks, data-parallel engines) if the backend
+        is ray: it must be installed, and the devices CPUs."""
+        if self.distributed_executor_backend != "ray":
+            return
+        if not self.device.startswith("cpu"):
+            raise ValueError(f"{BACKEND_FLAG}: ray places CPU ranks and engines only so far (a GPU is not tied "
+                             f"to its Ray bundle yet); use mp on one {self.device} machine")
+        if importlib.util.find_spec("ray") is None:
+            raise ValueError(f"{BACKEND_FLAG}: ray is not installed: pip install 'leanserve[ray]'")
 
     def resolve(self) -> ResolvedConfig:
         """Checks every flag and resolves the model's, once; raises ValueError naming the flag."""

@@ -3,7 +3,8 @@
 The launcher (the ``serve`` command's process) starts every engine-core process, for every API
 process at once, and is their parent: an engine exits by itself when the launcher is gone
 (``process._output_thread``). API processes only reach them, through the ``EngineEndpoints``
-that ``start`` returns.
+that ``start`` returns. With ``--distributed-executor-backend ray`` and ``-dp N > 1`` the engines
+are Ray actors instead (``ray_engines``), with the same interface.
 """
 
 from __future__ import annotations
@@ -26,6 +27,18 @@ log = logging.getLogger("leanserve.engine")
 STOP_TIMEOUT_S = 5.0  # after SIGTERM, before SIGKILL
 
 
+def engines_for(config: ResolvedConfig, eos_token_ids: list[int], size: int = 1, num_clients: int = 1,
+                watchdog_timeout: float = 60.0):
+    """Local processes, or with the ray backend and several engines, Ray actors. One engine stays
+    a local process under ray too: it has no better place than beside its API process (its
+    tensor-parallel ranks are still Ray actors), and an API process notices its death by pidfd."""
+    if config.engine.distributed_executor_backend == "ray" and size > 1:
+        from .ray_engines import RayEngines
+
+        return RayEngines(config, eos_token_ids, size, num_clients, watchdog_timeout)
+    return EngineProcesses(config, eos_token_ids, size, num_clients, watchdog_timeout)
+
+
 class EngineProcesses:
     """``size`` engine-core processes (data parallelism, each with its own model copy and KV
     cache) serving ``num_clients`` API processes. A context manager: leaving it stops them all
@@ -44,7 +57,7 @@ class EngineProcesses:
 
     def start(self) -> EngineEndpoints:
         self._dir = tempfile.mkdtemp(prefix="leanserve-")
-        ends = EngineEndpoints(self._dir, self.size, self.num_clients)
+        ends = EngineEndpoints.ipc(self._dir, self.size, self.num_clients)
         spawn = multiprocessing.get_context("spawn")
         for k in range(self.size):
             clients = range(self.num_clients)
@@ -56,7 +69,9 @@ class EngineProcesses:
             )
             p.start()
             self.procs.append(p)
-        return dataclasses.replace(ends, engine_pids=tuple(p.pid for p in self.procs))
+        ends = dataclasses.replace(ends, engine_pids=tuple(p.pid for p in self.procs))
+        log.info("engine-core processes: pid %s", ", ".join(str(p) for p in ends.engine_pids))
+        return ends
 
     def stop(self) -> None:
         for p in self.procs:

@@ -244,5 +244,12 @@ class Step(msgspec.Struct, tag="step", array_like=True, gc=False):
     out: StepOutput
 
 
+class Exited(msgspec.Struct, tag="exited", array_like=True):
+    """An engine has died, said for it by the launcher on the engine's output sockets: a Ray actor
+    (engine/ray_engines.py) may be on another machine, where no pidfd reaches."""
+
+    reason: str
+
+
 ToEngine = Add | Abort
-FromEngine = Step | EngineStats | Ready | Rejected
+FromEngine = Step | EngineStats | Ready | Rejected | Exited

@@ -39,12 +39,15 @@ log = logging.getLogger("leanserve.engine")
 
 
 def run_engine_process(config: ResolvedConfig, eos_token_ids: list[int], in_addrs: list[str], out_addrs: list[str],
-                       parent_pid: int, watchdog_timeout: float) -> None:
-    """``in_addrs`` / ``out_addrs``: one per API process (``endpoints.EngineEndpoints``)."""
+                       parent_pid: int | None, watchdog_timeout: float) -> None:
+    """``in_addrs`` / ``out_addrs``: one per API process (``endpoints.EngineEndpoints``);
+    ``parent_pid``: the launcher, this process's parent; None in a Ray actor (``ray_engines``),
+    which is outside the launcher's process group and which Ray ends with the launcher."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
-    # Ctrl-C reaches the whole process group; the launcher stops the engines itself, after the
-    # API processes have drained their requests.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if parent_pid is not None:
+        # Ctrl-C reaches the whole process group; the launcher stops the engines itself, after
+        # the API processes have drained their requests.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     core = EngineCore.from_config(config, eos_token_ids)
     outbox: queue.SimpleQueue = queue.SimpleQueue()
     ctx = zmq.Context()
@@ -95,7 +98,7 @@ def _input_thread(ctx: zmq.Context, addrs: list[str], core: EngineCore, outbox: 
             core.abort(msg.request_ids)
 
 
-def _output_thread(ctx, addrs: list[str], loop: EngineLoop, outbox: queue.SimpleQueue, parent_pid: int,
+def _output_thread(ctx, addrs: list[str], loop: EngineLoop, outbox: queue.SimpleQueue, parent_pid: int | None,
                    watchdog_timeout: float) -> None:
     socks = [ctx.socket(zmq.PUSH) for _ in addrs]
     for sock, addr in zip(socks, addrs):
@@ -122,7 +125,7 @@ def _output_thread(ctx, addrs: list[str], loop: EngineLoop, outbox: queue.Simple
             pass
         now = time.monotonic()
         if now - last_stats >= STATS_PERIOD_S:
-            if os.getppid() != parent_pid:  # the launcher is gone: do not linger as an orphan
+            if parent_pid not in (None, os.getppid()):  # the launcher is gone: do not linger as an orphan
                 os._exit(0)
             started = loop.step_started
             step_s = now - started if started is not None else 0.0

@@ -63,6 +63,8 @@ class ServerConfig:
     generation_config: str = "auto"  # sampling defaults: auto (the model's file), leanserve (none), or a directory
 
     def validate(self) -> None:
+        if self.data_parallel_size > 1:
+            self.engine.check_ray_placement()
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice: needs --tool-call-parser")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:

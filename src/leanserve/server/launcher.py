@@ -13,8 +13,9 @@ Shutdown, SIGTERM or Ctrl-C: every API process drains as a single one does (in-f
 get ``--shutdown-timeout`` seconds, then end with "abort"), then the engines stop; status 0 when
 every API process stopped cleanly. An API process that dies ends the whole server with a log line
 naming it, as vLLM's launcher does. An engine that dies does not: every API process fails that
-engine's requests the moment it exits (a pidfd) and /health answers 503, exactly as with one API
-process.
+engine's requests the moment it exits (a pidfd; for an engine that is a Ray actor, a message from
+this process as soon as Ray reports the death, ``engine/ray_engines.py``) and /health answers 503,
+exactly as with one API process.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import tempfile
 import threading
 import time
 
-from ..engine.launch import EngineProcesses
+from ..engine.launch import EngineProcesses, engines_for
 from ..engine.messages import MAX_CLIENTS
 from .app import SEND_GRACE_S, ServerConfig, ServerPlan, load_tokenizer, run_api_server
 from .metrics import MULTIPROC_DIR_ENV
@@ -56,11 +57,9 @@ def serve(cfg: ServerConfig) -> None:
     path = resolved.model.path
     tokenizer = load_tokenizer(cfg, path)
     defaults = sampling_defaults(cfg.generation_config, path)
-    engines = EngineProcesses(resolved, list(tokenizer.eos_token_ids), cfg.data_parallel_size, n,
-                              cfg.watchdog_timeout)
+    engines = engines_for(resolved, list(tokenizer.eos_token_ids), cfg.data_parallel_size, n, cfg.watchdog_timeout)
     with listening_socket(cfg.host, cfg.port) as sock, engines:
         plan = ServerPlan(cfg, path, defaults, engines.start())
-        log.info("engine-core processes: pid %s", ", ".join(str(p) for p in plan.endpoints.engine_pids))
         if n == 1:
             run_api_server(plan, tokenizer, 0, sock)
         else:

@@ -3,10 +3,11 @@ machine belongs to (``ray start --head`` here, ``ray start --address=...`` on th
 engine joins it with ``ray.init(address="auto")``, or the cluster ``RAY_ADDRESS`` names).
 
 One placement group holds a bundle per rank: rank 0's, pinned to this node, only reserves what
-rank 0 uses in the engine's own process (so no actor is given it); the others' are packed onto
-as few nodes as the cluster allows, each rank an actor in its bundle. A rank on this node reads
-the shared-memory ring, one on another node its own ZeroMQ socket. Ray ends the actors when
-the engine process (their owner) ends.
+rank 0 uses in the engine's own process (so no actor is given it; nothing at all when the engine
+is itself a Ray actor, a data-parallel one, whose own bundle holds those CPUs: see
+``engine/ray_engines.py``); the others' are packed onto as few nodes as the cluster allows, each
+rank an actor in its bundle. A rank on this node reads the shared-memory ring, one on another
+node its own ZeroMQ socket. Ray ends the actors when the engine process (their owner) ends.
 
 CPU ranks only, so far: on CUDA, which GPU Ray gives rank 0's bundle is not tied to the device
 the engine process computes on; that needs rank 0's GPU taken from its bundle (not done).
@@ -20,6 +21,7 @@ import os
 import threading
 from typing import Callable
 
+from ..config import BACKEND_FLAG
 from .worker import RankSpec, run_rank
 
 PLACEMENT_TIMEOUT_S = 60.0
@@ -33,19 +35,41 @@ class RankActor:
         return os.getpid()
 
     def run(self, spec: RankSpec) -> None:
-        import ray
-
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {spec.rank} %(levelname)s %(message)s")
-        run_rank(dataclasses.replace(spec, host=ray.util.get_node_ip_address()))
+        run_rank(dataclasses.replace(spec, host=node_ip()))
+
+
+def join_cluster() -> None:
+    """Connects this process to the Ray cluster (``RAY_ADDRESS``, else this machine's), unless it
+    already is (a Ray actor, e.g. a data-parallel engine placing its ranks). No cluster is a
+    ValueError: one line from the command line."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    try:
+        ray.init(address="auto", logging_level=logging.WARNING)
+    except ConnectionError as e:
+        raise ValueError(f"{BACKEND_FLAG}: no Ray cluster to join ({str(e).splitlines()[0]}); start one with "
+                         "`ray start --head`") from None
+
+
+def node_ip() -> str:
+    """This process's node's address as the Ray cluster knows it (``ray start --node-ip-address``):
+    ``ray.util.get_node_ip_address`` says so in a driver, but in an actor it gives the machine's
+    outward address, which need not be the node's (nor name its ``node:`` resource)."""
+    import ray
+
+    node = ray.get_runtime_context().get_node_id()
+    return next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node)
 
 
 class RayBackend:
     def __init__(self):
         import ray
 
-        if not ray.is_initialized():
-            ray.init(address="auto", logging_level=logging.WARNING)
-        self.host = ray.util.get_node_ip_address()
+        join_cluster()
+        self.host = node_ip()
         self.rank_host = None  # each actor finds its node's
         self.parent_pid = None  # Ray ends the actors when their owner, this process, ends
         self.node_id = ray.get_runtime_context().get_node_id()
@@ -58,7 +82,9 @@ class RayBackend:
         from ray.util.placement_group import placement_group, placement_group_table
 
         bundle = {"CPU": threads or 1}
-        bundles = [dict(bundle, **{f"node:{self.host}": 0.001})] + [dict(bundle) for _ in range(size - 1)]
+        pin = {f"node:{self.host}": 0.001}
+        in_actor = ray.get_runtime_context().get_actor_id() is not None
+        bundles = [pin if in_actor else dict(bundle, **pin)] + [dict(bundle) for _ in range(size - 1)]
         self.group = placement_group(bundles, strategy="PACK")
         try:
             ray.get(self.group.ready(), timeout=PLACEMENT_TIMEOUT_S)
