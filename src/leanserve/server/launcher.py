@@ -31,12 +31,16 @@ import sys
 import tempfile
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from ..engine.launch import EngineProcesses, engines_for
 from ..engine.messages import MAX_CLIENTS
 from .app import SEND_GRACE_S, ServerConfig, ServerPlan, load_tokenizer, run_api_server
 from .metrics import MULTIPROC_DIR_ENV
 from .sampling_defaults import sampling_defaults
+
+if TYPE_CHECKING:  # the annotation only: a server without ray engines never loads the module
+    from ..engine.ray_engines import RayEngines
 
 log = logging.getLogger("leanserve.server")
 
@@ -80,7 +84,7 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _run_api_processes(plan: ServerPlan, sock: socket.socket, engines: EngineProcesses) -> None:
+def _run_api_processes(plan: ServerPlan, sock: socket.socket, engines: EngineProcesses | RayEngines) -> None:
     cfg = plan.config
     metrics_dir = tempfile.mkdtemp(prefix="leanserve-metrics-")
     os.environ[MULTIPROC_DIR_ENV] = metrics_dir  # prometheus-client in each API process reads it
