@@ -19,7 +19,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from leanserve.cli import _engine_config, build_parser
 from leanserve.engine.batch_state import BatchState
+from leanserve.engine.config import CPU_PREFILL_CHUNK, EngineConfig, default_max_num_batched_tokens
 from leanserve.engine.kv_cache import BlockPool
 from leanserve.engine.params import SamplingParams
 from leanserve.engine.request import FinishReason, Request, Status
@@ -130,6 +132,37 @@ def test_chunked_prefill_splits_a_long_prompt_by_the_budget_while_decodes_contin
     # position 21 still fits in block 6.
     assert long_blocks == [2, 3, 5, 6, 6]
     assert len(sched.batch.output_tokens(short.slot)) == 5 and len(sched.batch.output_tokens(long.slot)) == 2
+
+
+def test_default_budget_is_per_device_and_the_flag_overrides_it():
+    parse = build_parser().parse_args
+    assert default_max_num_batched_tokens("cpu", 64) == 64 + CPU_PREFILL_CHUNK == 512
+    assert _engine_config(parse(["serve"])).max_num_batched_tokens == 512
+    assert _engine_config(parse(["serve", "--max-num-seqs", "128"])).max_num_batched_tokens == 128 + CPU_PREFILL_CHUNK
+    assert _engine_config(parse(["serve", "--device", "cuda"])).max_num_batched_tokens == 2048
+    assert _engine_config(parse(["serve", "--device", "cuda:1", "--max-num-seqs", "4096"])).max_num_batched_tokens \
+        == 4096
+    assert _engine_config(parse(["serve", "--max-num-batched-tokens", "2048"])).max_num_batched_tokens == 2048
+    assert EngineConfig(max_num_batched_tokens=8).max_num_batched_tokens == 8
+
+
+@pytest.mark.parametrize("max_num_seqs", [4, 64])
+def test_cpu_default_budget_decodes_every_row_beside_a_full_chunk(max_num_seqs):
+    """A long prompt arriving beside a full batch is chunked by CPU_PREFILL_CHUNK (plus the one
+    row its own slot leaves), and no decode row waits a step for it."""
+    budget = EngineConfig(max_num_seqs=max_num_seqs).max_num_batched_tokens
+    batch = BatchState(max_num_seqs, 2048, BS)
+    sched = Scheduler(batch, BlockPool(2048 // BS * max_num_seqs + 1), budget)
+    decoders = [make_request(rid, 3, max_tokens=100) for rid in range(max_num_seqs - 1)]
+    for req in decoders:
+        sched.add(req)
+    assert step(sched).prefill == [(r.request_id, 0, 3) for r in decoders]
+    sched.add(make_request(999, 1500))
+    chunk = CPU_PREFILL_CHUNK + 1
+    plans = [step(sched) for _ in range(4)]
+    assert [p.prefill for p in plans] == [[(999, 0, chunk)], [(999, chunk, chunk)], [(999, 2 * chunk, chunk)],
+                                          [(999, 3 * chunk, 1500 - 3 * chunk)]]
+    assert all(p.decode == ids(decoders) for p in plans)
 
 
 def test_one_remaining_prompt_token_is_scheduled_as_a_decode_row():

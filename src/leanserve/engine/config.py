@@ -21,6 +21,24 @@ log = logging.getLogger("leanserve.engine")
 BACKENDS = ("mp", "ray")
 BACKEND_FLAG = "distributed_executor_backend (--distributed-executor-backend)"
 
+# The prefill chunk a CPU step carries beside its decode rows when --max-num-batched-tokens is not
+# given (bench/results/chunk_budget.md, 2-core AMX VM, default model): a CPU step's time grows with
+# its tokens, so a chunk holds every decode row for as long as it takes (a 1,984-token chunk: 7x
+# a 64-row decode step); from ~450 tokens on a chunk's rate no longer grows (~1,700 tokens/s per
+# core at 448, 1,984 or 960 tokens, 1,590 at 192, 1,190 at 64), so a larger chunk only stalls.
+CPU_PREFILL_CHUNK = 448
+# A GPU step costs about the same up to thousands of tokens: vLLM's API-server default there.
+ACCELERATOR_BATCHED_TOKENS = 2048
+
+
+def default_max_num_batched_tokens(device: str, max_num_seqs: int) -> int:
+    """The token budget of a step unless set: on a CPU every running request's decode row plus
+    one chunk (512 at the default 64 sequences), so neither starves the other; elsewhere 2048,
+    or ``max_num_seqs`` where that is more."""
+    if device.startswith("cpu"):
+        return max_num_seqs + CPU_PREFILL_CHUNK
+    return max(ACCELERATOR_BATCHED_TOKENS, max_num_seqs)
+
 
 @dataclass
 class EngineConfig:
@@ -30,7 +48,7 @@ class EngineConfig:
     quantization: str = "none"  # "int8": int8 weight copies for steps of a few rows (model/quant.py)
     max_model_len: int | None = None  # None: the model's context length
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int | None = None  # None: default_max_num_batched_tokens(device, max_num_seqs)
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes; None: kv_cache_fraction of available memory
     kv_cache_fraction: float = 0.1
@@ -46,6 +64,10 @@ class EngineConfig:
     # ("mp") or Ray actors placed on the Ray cluster this machine belongs to ("ray").
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "mp"
+
+    def __post_init__(self):
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = default_max_num_batched_tokens(self.device, self.max_num_seqs)
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_new_requests_per_step"):
