@@ -1,24 +1,29 @@
-"""``KVCache.block_buffer``: the contract disaggregated serving moves KV by, whatever the cache's
-layout: one block's keys and values for every layer as [layers, 2, kv_heads, block_size, head_dim]."""
+"""``KVCache.spans``: the contract disaggregated serving moves KV by: every layer's keys and
+values of each block as raw bytes, a run of consecutive blocks one contiguous piece per row."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from leanserve.engine.kv_cache import KVCache
 
 
-def test_a_block_buffer_reads_and_writes_one_blocks_kv_for_every_layer():
+def test_spans_are_the_caches_memory_row_by_row():
     layers, kv_heads, head_dim, block_size = 3, 2, 4, 5
-    kv = KVCache(layers, kv_heads, head_dim, num_blocks=6, block_size=block_size, dtype=torch.float32, device="cpu")
+    kv = KVCache(layers, kv_heads, head_dim, num_blocks=6, block_size=block_size, dtype=torch.bfloat16, device="cpu")
     kv.tensor.copy_(torch.arange(kv.tensor.numel(), dtype=torch.float32).view(kv.tensor.shape))
-    buf = kv.block_buffer(4)
-    assert buf.shape == (layers, 2, kv_heads, block_size, head_dim)
-    # Element [layer, k/v, head, slot, dim] is what the model wrote for that slot of block 4.
-    for layer, which, head, slot, dim in [(0, 0, 0, 0, 0), (2, 1, 1, 4, 3), (1, 0, 1, 2, 0)]:
-        assert buf[layer, which, head, slot, dim] == kv.tensor[layer, which, 4, slot, head, dim]
-    # Writing through it lands in that block only: what a receiver does.
+    spans = kv.spans()
+    span_bytes = block_size * kv_heads * head_dim * 2
+    assert spans.shape == (layers * 2, 6, span_bytes) and spans.data_ptr() == kv.tensor.data_ptr()
+    # Row 2 * layer + kv, block b: that layer's keys or values of block b, as written by the model.
+    for layer, which, block in [(0, 0, 0), (2, 1, 5), (1, 0, 3)]:
+        got = spans[2 * layer + which, block].view(torch.bfloat16).view(block_size, kv_heads, head_dim)
+        assert torch.equal(got, kv.tensor[layer, which, block])
+    # Blocks 2..4 of a row are one piece of memory; writing bytes into a block lands in it only.
+    run = spans[3, 2:5].numpy()
+    assert run.flags.c_contiguous and run.ctypes.data == kv.tensor.data_ptr() + (3 * 6 + 2) * span_bytes
     before = kv.tensor.clone()
-    kv.block_buffer(2).copy_(buf.contiguous() * -1)
+    spans.numpy()[:, 1] = spans.numpy()[:, 4]
     changed = (kv.tensor != before).nonzero()[:, 2].unique().tolist()
-    assert changed == [2] and torch.equal(kv.block_buffer(2), -kv.block_buffer(4))
+    assert changed == [1] and torch.equal(kv.tensor[:, :, 1], kv.tensor[:, :, 4])

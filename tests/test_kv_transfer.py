@@ -10,13 +10,14 @@ import time
 import numpy as np
 import pytest
 import torch
+import zmq
 
 from leanserve.bench.host import tiny_model
 from leanserve.engine.config import EngineConfig
 from leanserve.engine.core import EngineCore
 from leanserve.engine.kv_transfer.config import KVTransferConfig
-from leanserve.engine.kv_transfer.layout import block_array
 from leanserve.engine.kv_transfer.messages import RemotePrefill
+from leanserve.engine.kv_transfer.zmq_connector import answer_frames, pieces
 from leanserve.engine.messages import demux
 from leanserve.engine.params import SamplingParams
 from leanserve.engine.request import FinishReason
@@ -80,16 +81,25 @@ def prefill(core: EngineCore, rid: int, prompt: np.ndarray) -> RemotePrefill:
                          lease.num_cached_tokens)
 
 
+def blocks_of(core: EngineCore, block_ids) -> np.ndarray:
+    """A copy of these blocks' bytes, [layers * 2, len(block_ids), span_bytes]."""
+    return core.kv.spans().numpy()[:, np.asarray(block_ids)].copy()
+
+
 def prompt(n: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(1, 512, n).astype(np.int32)
 
 
-def test_a_decode_engine_decodes_from_pulled_kv_what_one_engine_would(engines):
+@pytest.mark.parametrize("copy_threshold", [zmq.COPY_THRESHOLD, 0], ids=["pyzmq's", "every frame in place"])
+def test_a_decode_engine_decodes_from_pulled_kv_what_one_engine_would(engines, copy_threshold, monkeypatch):
+    """With pyzmq's copy threshold (64 kB) these short prompts' blocks are gathered; with none,
+    every run of blocks is sent as the cache's own memory and tracked until ZeroMQ is done."""
+    monkeypatch.setattr(zmq, "COPY_THRESHOLD", copy_threshold)  # read by each socket as it is made
     p, d, single = engines("kv_producer"), engines("kv_consumer"), engines(None)
     prompts = [prompt(n, seed=n) for n in (5, 16, 50, 200)]
     for i, ids in enumerate(prompts):
         remote = prefill(p, 100 + i, ids)
-        blocks = block_array(p.kv)[remote.block_ids].copy()
+        blocks = blocks_of(p, remote.block_ids)
         before = d.scheduler.prompt_tokens_total
         d.add_request(200 + i, ids, GREEDY, remote_prefill=remote)
         single.add_request(300 + i, ids, GREEDY)
@@ -99,12 +109,30 @@ def test_a_decode_engine_decodes_from_pulled_kv_what_one_engine_would(engines):
         # The decode engine's blocks hold the prefill engine's bytes: the full ones exactly (the
         # last is rewritten from its last prompt token on, by this engine's own decode rows).
         full = (len(ids) - 1) // 16
-        received = block_array(d.kv)[d.scheduler.batch.block_table[0, :full]]  # slot 0: the only one used
-        assert np.array_equal(received, blocks[:full])
+        received = blocks_of(d, d.scheduler.batch.block_table[0, :full])  # slot 0: the only one used
+        assert np.array_equal(received, blocks[:, :full])
     p.step()  # pulled leases come back to the loop: their blocks are freed
     assert p.kv.pool.num_used == 0 and p.connector.leases.num_held == 0
     assert d.connector.counters.loads_completed == 4 and d.connector.counters.bytes_received == \
         p.connector.counters.bytes_sent > 0
+
+
+def test_an_answer_sends_long_runs_of_blocks_in_place_and_gathers_the_short_ones():
+    spans = np.arange(4 * 40 * 8, dtype=np.uint8).reshape(4, 40, 8)  # 4 rows, 40 blocks of 8 bytes
+    ids = [3, 4, 5, 6, 9, 20, 21, 30, 31, 32, 33, 34, 35]
+    # Runs of 4 and 6 blocks (32, 48 bytes per row) reach 32 bytes; 9 and 20-21 between them do not.
+    assert pieces(ids, 8, min_bytes=32) == [(0, 4, True), (4, 7, False), (7, 13, True)]
+    assert pieces([], 8, 32) == [(0, 0, False)] and pieces([7], 8, min_bytes=8) == [(0, 1, True)]
+    frames, in_place = answer_frames(spans, ids, min_bytes=32)
+    assert len(frames) == 3 * 4 and in_place == [True] * 4 + [False] * 4 + [True] * 4
+    for frame, (row, piece) in zip(frames, [(r, p) for p in ([3, 4, 5, 6], [9, 20, 21], list(range(30, 36)))
+                                            for r in range(4)]):
+        assert np.array_equal(frame, spans[row, piece])  # each row's bytes of the piece's blocks, in order
+        assert frame.flags.c_contiguous  # a frame is one buffer
+        # In place: the cache's memory at the run's first block; gathered: a copy.
+        assert np.shares_memory(frame, spans) == (piece[0] != 9)
+        if piece[0] != 9:
+            assert frame.ctypes.data == spans[row, piece[0]].ctypes.data
 
 
 def test_the_copy_bug_lands_the_same_bytes_from_the_loop_thread(engines):
@@ -112,11 +140,11 @@ def test_the_copy_bug_lands_the_same_bytes_from_the_loop_thread(engines):
     p, d = engines("kv_producer"), engines("kv_consumer", extra={"copy_bug": True})
     ids = prompt(50)
     remote = prefill(p, 1, ids)
-    sent = block_array(p.kv)[remote.block_ids].copy()
+    sent = blocks_of(p, remote.block_ids)
     d.add_request(2, ids, GREEDY, remote_prefill=remote)
     assert len(tokens(run(d, [2])[2])) == GREEDY.max_tokens
     full = (len(ids) - 1) // 16
-    assert np.array_equal(block_array(d.kv)[d.scheduler.batch.block_table[0, :full]], sent[:full])
+    assert np.array_equal(blocks_of(d, d.scheduler.batch.block_table[0, :full]), sent[:, :full])
 
 
 def test_n_samples_share_the_received_prompt(engines):

@@ -115,7 +115,13 @@ def block_key(parent: bytes, tokens: np.ndarray) -> bytes:
 
 class KVCache:
     """The cache tensor plus its block pool; one tensor for all layers:
-    [layers, 2 (k, v), num_blocks, block_size, kv_heads, head_dim]."""
+    [layers, 2 (k, v), num_blocks, block_size, kv_heads, head_dim].
+
+    What a block holds: for every layer, its ``block_size`` tokens' keys and values,
+    [block_size, kv_heads, head_dim] each. In memory, one layer's keys (or values) of every block
+    are one contiguous pool (``tensor[layer, k/v]``): attention reads a decode row's blocks in
+    place from it, and a run of consecutive blocks is, for each layer's keys and values, one
+    contiguous piece (``spans``)."""
 
     def __init__(self, num_layers, num_kv_heads, head_dim, num_blocks, block_size, dtype, device):
         self.block_size = block_size
@@ -127,13 +133,12 @@ class KVCache:
     def bytes_per_block(num_layers, num_kv_heads, head_dim, block_size, dtype) -> int:
         return num_layers * 2 * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
-    def block_buffer(self, block_id: int) -> torch.Tensor:
-        """One block's KV for every layer, [layers, 2 (k, v), kv_heads, block_size, head_dim]: the
-        unit disaggregated serving moves between workers (``kv_transfer``), read to send, written
-        to receive.
-
-        On this layout a block is not one piece of memory: the result is a strided view of the
-        cache (writes land in it), and a sender's ``.contiguous()`` gathers it, one copy of
-        ``2 * layers`` runs. With the block-major layout (one buffer per block) it becomes a
-        contiguous view and that copy disappears; callers do not change."""
-        return self.tensor[:, :, block_id].transpose(2, 3)
+    def spans(self) -> torch.Tensor:
+        """The cache's memory as raw bytes, [layers * 2, num_blocks, span_bytes] (a view, no copy):
+        row ``2 * layer + kv`` holds that layer's keys (kv = 0) or values (kv = 1), and
+        ``spans()[r, b]`` is block b's [block_size, kv_heads, head_dim] of them. Blocks ``a`` to
+        ``b`` of one row are one contiguous piece of memory, ``spans()[r, a:b]``: the unit
+        disaggregated serving moves KV in (``kv_transfer``), read in place to send, written to
+        receive."""
+        layers, kv, num_blocks = self.tensor.shape[:3]
+        return self.tensor.view(torch.uint8).view(layers * kv, num_blocks, -1)

@@ -4,16 +4,23 @@
 The decode side pulls. Its engine allocates the blocks, then this thread sends a
 ``PullRequest`` (msgpack: the lease's engine id, request id, epoch and block ids, and the
 puller's ``KVLayout``) from a DEALER socket per prefill worker. The prefill worker's ROUTER
-socket (``kv_ip:kv_port``) answers with a ``BlocksHeader`` and one raw frame holding the
-blocks' bytes back to back, or with ``Refused`` naming why (a restarted engine, a layout
-mismatch, a lease that expired or never was). Nothing is pickled; block bytes are never
-parsed.
+socket (``kv_ip:kv_port``) answers with a ``BlocksHeader`` and the blocks' bytes as raw
+frames, or with ``Refused`` naming why (a restarted engine, a layout mismatch, a lease that
+expired or never was). Nothing is pickled; block bytes are never parsed.
 
-Copies: the prefill side gathers the lease's blocks into one buffer (one numpy call), after
-which its blocks are freed; ZeroMQ sends that buffer without copying it. The decode side
-scatters the received frame into its blocks (one numpy call), in place, on this thread. The
-engine loop only hands commands over (a deque and an empty wake-up frame) and drains
-completions: it never waits on, polls or copies a transfer.
+The frames: the lease's blocks, in order, cut into pieces (``pieces``), and for each piece one
+frame per row of ``KVCache.spans`` (each layer's keys, then its values): 2 * layers frames of
+``len(piece)`` blocks each. A piece is a run of consecutive block ids, sent in place: for every
+row, those blocks are one contiguous piece of the cache, which ZeroMQ sends without a copy. Runs
+too short for that to pay (pyzmq copies a frame under its 64 kB copy threshold anyway, and every
+frame costs the thread a few microseconds) are merged into one piece gathered in one numpy call.
+
+Copies: none for in-place pieces on the prefill side; ZeroMQ reads them after the send call
+returns, so the lease ends, and its blocks are freed, only once ZeroMQ is done with every frame
+(``_sent``). The decode side writes each frame into its blocks, wherever they are in its cache,
+in place, on this thread (one numpy copy per frame, without the GIL). The engine loop only hands
+commands over (a deque and an empty wake-up frame) and drains completions: it never waits on,
+polls or copies a transfer.
 """
 
 from __future__ import annotations
@@ -30,7 +37,6 @@ import zmq
 from ..kv_cache import KVCache
 from .config import KVTransferConfig
 from .connector import KVConnector, KVEvents
-from .layout import block_array
 from .leases import Lease
 from .loads import Load
 from .messages import (BlocksHeader, FromPrefill, KVLayout, PullRequest, Refused, ReleaseLease, RemotePrefill,
@@ -41,14 +47,22 @@ log = logging.getLogger("leanserve.engine")
 # DEALER sockets kept open to prefill workers; the least recently used beyond this is closed
 # (a deployment has a handful of prefill workers; a bad remote_host must not pile sockets up).
 MAX_REMOTES = 64
+# While answers are in flight, the transfer thread wakes this often to free the leases of those
+# ZeroMQ has finished sending (a tracker has no socket to poll).
+SENT_POLL_MS = 1
 
 
 class ZmqConnector(KVConnector):
     def __init__(self, config: KVTransferConfig, layout: KVLayout, kv: KVCache, wakeup):
         super().__init__(config, layout, wakeup)
-        self.blocks = block_array(kv)
+        if kv.tensor.device.type != "cpu":
+            raise ValueError("--kv-transfer-config: ZmqConnector moves host memory; this KV cache is on "
+                             f"{kv.tensor.device}")
+        self.spans = kv.spans().numpy()  # [layers * 2, num_blocks, span_bytes], the cache's memory
         self._copy_bug = bool(config.kv_connector_extra_config.get("copy_bug"))
-        self._unscattered: deque[tuple[Load, np.ndarray]] = deque()  # copy_bug: scattered by ``poll``
+        # copy_bug: what was received, as (block ids, [layers * 2, n, span_bytes] bytes) pieces, written by ``poll``
+        self._unscattered: deque[tuple[Load, list[tuple[list[int], list[np.ndarray]]]]] = deque()
+        self._sending: list[tuple[list[zmq.MessageTracker], Lease]] = []  # answers ZeroMQ may still read
         self._commands: deque[tuple] = deque()
         self._ctx = zmq.Context()
         wake_addr = f"inproc://leanserve-kv-{id(self)}"
@@ -88,8 +102,9 @@ class ZmqConnector(KVConnector):
         # The copy bug: the transfer thread hands the received bytes over, and the loop copies
         # them into the cache, then marks the load done (it lands next iteration).
         while self._unscattered:
-            load, data = self._unscattered.popleft()
-            self.blocks[load.block_ids] = data
+            load, pieces = self._unscattered.popleft()
+            for block_ids, frames in pieces:
+                self._land(block_ids, frames)
             self.loads.finish(load.request_id, None)
         return events
 
@@ -110,7 +125,7 @@ class ZmqConnector(KVConnector):
         encoder = msgspec.msgpack.Encoder()
         to_prefill, from_prefill = msgspec.msgpack.Decoder(ToPrefill), msgspec.msgpack.Decoder(FromPrefill)
         while True:
-            for sock, _ in poller.poll():
+            for sock, _ in poller.poll(SENT_POLL_MS if self._sending else None):
                 try:
                     if sock is wake_in:
                         _drain(wake_in)
@@ -127,6 +142,8 @@ class ZmqConnector(KVConnector):
                             self._receive(frames, from_prefill)
                 except Exception:  # noqa: BLE001 - one bad message must not end the transfer thread
                     log.exception("KV transfer thread: a message failed")
+            if self._sending:
+                self._sent()
 
     def _send_command(self, command: tuple, dealers, poller: zmq.Poller, encoder) -> None:
         kind, arg = command
@@ -172,15 +189,27 @@ class ZmqConnector(KVConnector):
             refusal = Refused(self.engine_id, msg.request_id, msg.epoch, msg.reply_to, reason)
             router.send_multipart([identity, encoder.encode(refusal)])
             return
-        # The gather, without the GIL. Indexing keeps the cache's stride order within a block: on
-        # today's layout that is not one run of bytes, and the blocks are made contiguous in a
-        # second copy (a no-op with block-major blocks). Not np.take: on a non-contiguous array it
-        # copies the whole cache first (5 s for a 1 GiB cache here).
-        data = np.ascontiguousarray(self.blocks[lease.block_ids])
-        self._ended_by_transport(lease)  # nothing reads its blocks any more
         header = BlocksHeader(self.engine_id, msg.request_id, msg.epoch, self.layout, lease.block_ids, msg.reply_to)
-        router.send_multipart([identity, encoder.encode(header), data], copy=False)
-        self.counters.bytes_sent += data.nbytes
+        frames, in_place = answer_frames(self.spans, lease.block_ids, router.copy_threshold)
+        trackers: list[zmq.MessageTracker] = []
+        self._sending.append((trackers, lease))  # even if a send fails: what ZeroMQ was given, it reads
+        router.send_multipart([identity, encoder.encode(header)], zmq.SNDMORE)
+        for i, (frame, track) in enumerate(zip(frames, in_place)):
+            tracker = router.send(frame, zmq.SNDMORE if i < len(frames) - 1 else 0, copy=False, track=track)
+            if track:
+                trackers.append(tracker)
+        self.counters.bytes_sent += sum(f.nbytes for f in frames)
+
+    def _sent(self) -> None:
+        """Ends the leases whose answer ZeroMQ has finished reading from the cache: their blocks
+        may be freed and reused now."""
+        sending = []
+        for trackers, lease in self._sending:
+            if all(t.done for t in trackers):
+                self._ended_by_transport(lease)
+            else:
+                sending.append((trackers, lease))
+        self._sending = sending
 
     def _check_pull(self, msg: PullRequest) -> tuple[str | None, Lease | None]:
         if msg.engine_id != self.engine_id:
@@ -223,16 +252,68 @@ class ZmqConnector(KVConnector):
         if len(msg.block_ids) != n:
             return (f"{where} sent {len(msg.block_ids)} blocks; this request's prompt fills {n} (do both workers "
                     "tokenize it alike?)")
-        block_bytes = self.blocks[0].nbytes
-        if len(frames) != 1 or len(frames[0].buffer) != n * block_bytes:
-            return f"{where} sent {sum(len(f.buffer) for f in frames)} bytes for {n} blocks of {block_bytes}"
-        data = np.frombuffer(frames[0].buffer, self.blocks.dtype).reshape(n, *self.blocks.shape[1:])
+        rows, span_bytes = self.spans.shape[0], self.spans.shape[2]
+        sizes = [len(f.buffer) for f in frames]
+        groups = [sizes[i : i + rows] for i in range(0, len(sizes), rows)]
+        if (len(sizes) % rows or sum(sizes) != n * rows * span_bytes
+                or any(len(set(g)) != 1 or g[0] % span_bytes for g in groups)):
+            return (f"{where} sent {sum(sizes)} bytes in {len(sizes)} frames of {sizes[:4]}... for {n} blocks of "
+                    f"{rows} x {span_bytes} bytes")
+        # Each group of ``rows`` frames is the next piece of the request's blocks: it lands in
+        # the request's next blocks here, wherever they are in this cache.
+        pieces, first = [], 0
+        for i, g in enumerate(groups):
+            count = g[0] // span_bytes
+            group = frames[i * rows : (i + 1) * rows]
+            data = [np.frombuffer(f.buffer, np.uint8).reshape(count, span_bytes) for f in group]
+            pieces.append((load.block_ids[first : first + count], data))
+            first += count
         if self._copy_bug:
-            self._unscattered.append((load, data))
+            self._unscattered.append((load, pieces))
         else:
-            self.blocks[load.block_ids] = data  # the scatter: one copy, in place, without the GIL
-        self.counters.bytes_received += data.nbytes
+            for block_ids, data in pieces:
+                self._land(block_ids, data)
+        self.counters.bytes_received += n * rows * span_bytes
         return None
+
+    def _land(self, block_ids: list[int], frames: list[np.ndarray]) -> None:
+        """Writes one piece's frames (a row of ``spans`` each) into ``block_ids``: one copy per
+        frame, in place, without the GIL."""
+        for row, data in zip(self.spans, frames):
+            row[block_ids] = data
+
+
+def pieces(block_ids: list[int], span_bytes: int, min_bytes: int) -> list[tuple[int, int, bool]]:
+    """``block_ids`` cut into pieces, ``(start, stop, in_place)`` positions in it, in order: each
+    run of consecutive ids of at least ``min_bytes`` per row is a piece sent in place; the runs
+    between them are merged into pieces to gather (at least one piece, even for no ids)."""
+    ids = np.asarray(block_ids, np.int64)
+    starts = [0, *(np.flatnonzero(np.diff(ids) != 1) + 1).tolist()]
+    out: list[tuple[int, int, bool]] = []
+    for a, b in zip(starts, [*starts[1:], len(ids)]):
+        if (b - a) * span_bytes >= min_bytes:
+            out.append((a, b, True))
+        elif out and not out[-1][2]:
+            out[-1] = (out[-1][0], b, False)  # extends the gathered piece before it
+        else:
+            out.append((a, b, False))
+    return out or [(0, 0, False)]
+
+
+def answer_frames(spans: np.ndarray, block_ids: list[int], min_bytes: int) -> tuple[list[np.ndarray], list[bool]]:
+    """The frames that carry ``block_ids``' bytes, and which of them are the cache's own memory
+    (sent in place, to be tracked): per piece (see ``pieces``), one frame per row of ``spans``.
+    ``min_bytes``: the socket's copy threshold, under which pyzmq would copy a frame anyway."""
+    frames, in_place = [], []
+    for a, b, direct in pieces(block_ids, spans.shape[2], min_bytes):
+        if direct:
+            first = block_ids[a]
+            frames += [row[first : first + b - a] for row in spans]
+        else:  # one gather for every row, [rows, b - a, span_bytes] in C order (``spans[:, ids]``
+            # is not: numpy lays an advanced index's axis out first and returns a transposed view)
+            frames += list(np.take(spans, block_ids[a:b], axis=1))
+        in_place += [direct] * len(spans)
+    return frames, in_place
 
 
 def _drain(sock: zmq.Socket) -> None:
