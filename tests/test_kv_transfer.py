@@ -122,7 +122,7 @@ def test_an_answer_sends_long_runs_of_blocks_in_place_and_gathers_the_short_ones
     ids = [3, 4, 5, 6, 9, 20, 21, 30, 31, 32, 33, 34, 35]
     # Runs of 4 and 6 blocks (32, 48 bytes per row) reach 32 bytes; 9 and 20-21 between them do not.
     assert pieces(ids, 8, min_bytes=32) == [(0, 4, True), (4, 7, False), (7, 13, True)]
-    assert pieces([], 8, 32) == [(0, 0, False)] and pieces([7], 8, min_bytes=8) == [(0, 1, True)]
+    assert pieces([], 8, 32) == pieces([], 8, 0) == [(0, 0, False)] and pieces([7], 8, min_bytes=8) == [(0, 1, True)]
     frames, in_place = answer_frames(spans, ids, min_bytes=32)
     assert len(frames) == 3 * 4 and in_place == [True] * 4 + [False] * 4 + [True] * 4
     for frame, (row, piece) in zip(frames, [(r, p) for p in ([3, 4, 5, 6], [9, 20, 21], list(range(30, 36)))

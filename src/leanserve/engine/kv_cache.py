@@ -119,8 +119,8 @@ class KVCache:
 
     What a block holds: for every layer, its ``block_size`` tokens' keys and values,
     [block_size, kv_heads, head_dim] each. In memory, one layer's keys (or values) of every block
-    are one contiguous pool (``tensor[layer, k/v]``): attention reads a decode row's blocks in
-    place from it, and a run of consecutive blocks is, for each layer's keys and values, one
+    are one contiguous pool (``tensor[layer, k/v]``), which attention gathers a decode row's
+    blocks from, and a run of consecutive blocks is, for each layer's keys and values, one
     contiguous piece (``spans``)."""
 
     def __init__(self, num_layers, num_kv_heads, head_dim, num_blocks, block_size, dtype, device):

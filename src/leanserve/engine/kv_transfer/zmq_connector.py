@@ -286,7 +286,9 @@ class ZmqConnector(KVConnector):
 def pieces(block_ids: list[int], span_bytes: int, min_bytes: int) -> list[tuple[int, int, bool]]:
     """``block_ids`` cut into pieces, ``(start, stop, in_place)`` positions in it, in order: each
     run of consecutive ids of at least ``min_bytes`` per row is a piece sent in place; the runs
-    between them are merged into pieces to gather (at least one piece, even for no ids)."""
+    between them are merged into pieces to gather. No ids: one empty piece (an answer has frames)."""
+    if not block_ids:
+        return [(0, 0, False)]
     ids = np.asarray(block_ids, np.int64)
     starts = [0, *(np.flatnonzero(np.diff(ids) != 1) + 1).tolist()]
     out: list[tuple[int, int, bool]] = []
@@ -297,7 +299,7 @@ def pieces(block_ids: list[int], span_bytes: int, min_bytes: int) -> list[tuple[
             out[-1] = (out[-1][0], b, False)  # extends the gathered piece before it
         else:
             out.append((a, b, False))
-    return out or [(0, 0, False)]
+    return out
 
 
 def answer_frames(spans: np.ndarray, block_ids: list[int], min_bytes: int) -> tuple[list[np.ndarray], list[bool]]:
