@@ -39,6 +39,17 @@ def completions(url: str, prompts: list[str], **extra) -> list[dict]:
                                                   timeout=60).json()["choices"], prompts))
 
 
+async def open_long_streams(c: httpx.AsyncClient, n: int) -> tuple[list, list]:
+    """``n`` streamed LONG completions, each past its first event: their contexts (to close) and
+    line iterators. Hold each iterator: one dropped is closed by the collector, which closes its
+    stream."""
+    streams = [c.stream("POST", "/v1/completions", json=LONG) for _ in range(n)]
+    lines = [(await st.__aenter__()).aiter_lines() for st in streams]
+    for it in lines:
+        assert (await anext(it)).startswith("data: ")
+    return streams, lines
+
+
 PROMPTS = [f"Count with me: {i}, {i + 1}," for i in range(8)]
 
 
@@ -71,11 +82,7 @@ def test_requests_go_to_the_least_loaded_engine_and_aborts_follow_them(servers):
 
     async def main():
         async with httpx.AsyncClient(base_url=dp.url, timeout=60) as c:
-            streams = [c.stream("POST", "/v1/completions", json=LONG) for _ in range(4)]
-            # Hold each line iterator: one dropped is closed by the collector, which closes its stream.
-            lines = [(await s.__aenter__()).aiter_lines() for s in streams]
-            for it in lines:
-                assert (await anext(it)).startswith("data: ")
+            streams, lines = await open_long_streams(c, 4)  # lines held, see open_long_streams
             # Four long streams, two per engine: least loaded, ties taken in turn.
             wait_for(lambda: [metric(dp.url, "leanserve:num_requests_running", engine=k) for k in "01"] == [2, 2],
                      what="two running requests per engine")
@@ -92,10 +99,7 @@ def test_a_dead_engine_fails_only_its_requests_and_leaves_the_rotation(tiny_chat
     try:
         async def main():
             async with httpx.AsyncClient(base_url=s.url, timeout=60) as c:
-                streams = [c.stream("POST", "/v1/completions", json=LONG) for _ in range(2)]
-                lines = [(await st.__aenter__()).aiter_lines() for st in streams]
-                for it in lines:
-                    assert (await anext(it)).startswith("data: ")
+                streams, lines = await open_long_streams(c, 2)
                 os.kill(s.engine_pids()[0], signal.SIGKILL)
                 # One stream ends with the error (its engine died); the other keeps streaming.
                 ends = await asyncio.gather(*(_until_error_or(it, 3.0) for it in lines))
@@ -190,10 +194,7 @@ def test_a_dead_ray_engine_fails_only_its_requests_and_the_rest_end_with_the_lau
 
         async def main():
             async with httpx.AsyncClient(base_url=s.url, timeout=60) as c:
-                streams = [c.stream("POST", "/v1/completions", json=LONG) for _ in range(2)]
-                lines = [(await st.__aenter__()).aiter_lines() for st in streams]
-                for it in lines:
-                    assert (await anext(it)).startswith("data: ")
+                streams, lines = await open_long_streams(c, 2)
                 killed = time.monotonic()
 
                 async def end(it):
