@@ -80,11 +80,13 @@ def engines(a, port: int, eos_ids: list[int]) -> dict[str, Engine]:
     ctx_per_slot = max(a.input_lens) + a.output_len + 256
     model = str(a.model)
     hf = hf_copy(a.model)
+    leanserve_flags = [*(["--dtype", a.dtype] if a.dtype else []),
+                       *(["--quantization", a.quantization] if a.quantization else [])]
     return {
+        # Its default flags unless told otherwise: what a newcomer running `leanserve serve` gets.
         "leanserve": Engine("leanserve", [str(ROOT / ".venv/bin/leanserve"), "serve", model, "--port", str(port),
-                                          "--dtype", a.dtype, "--quantization", a.quantization,
-                                          "--max-num-seqs", str(slots)], {},
-                            f"dtype {a.dtype}, quantization {a.quantization}, max-num-seqs {slots}"),
+                                          *leanserve_flags, "--max-num-seqs", str(slots)], {},
+                            f"{' '.join(leanserve_flags) or 'default flags'}, max-num-seqs {slots}"),
         "llama-server": Engine("llama-server", [str(PEERS / "llama-server"), "-m", model, "--host", "127.0.0.1",
                                                 "--port", str(port), "-np", str(slots), "-c",
                                                 str(slots * ctx_per_slot), "-t", threads, "-tb", threads,
@@ -282,8 +284,8 @@ def main() -> None:
     ap.add_argument("--input-lens", type=lambda s: [int(x) for x in s.split(",")], default=[128, 1024])
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--min-prompts", type=int, default=8)
-    ap.add_argument("--dtype", default="auto", help="leanserve --dtype")
-    ap.add_argument("--quantization", default="int8", help="leanserve --quantization")
+    ap.add_argument("--dtype", default=None, help="leanserve --dtype (default: its own default)")
+    ap.add_argument("--quantization", default=None, help="leanserve --quantization (default: its own default)")
     ap.add_argument("--hf-dtype", default="bfloat16", choices=["float32", "bfloat16"])
     # A smoke run of a point or two goes elsewhere, so it never overwrites the published grid.
     ap.add_argument("--results", type=Path, default=RESULTS, help="where compare.{md,json,png} go")

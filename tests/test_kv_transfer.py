@@ -12,6 +12,7 @@ import pytest
 import torch
 import zmq
 
+from leanserve.bench.disagg import install_copy_bug
 from leanserve.bench.host import tiny_model
 from leanserve.engine.config import EngineConfig
 from leanserve.engine.core import EngineCore
@@ -135,16 +136,20 @@ def test_an_answer_sends_long_runs_of_blocks_in_place_and_gathers_the_short_ones
             assert frame.ctypes.data == spans[row, piece[0]].ctypes.data
 
 
-def test_the_copy_bug_lands_the_same_bytes_from_the_loop_thread(engines):
-    """``leanserve bench disagg --copy-bug`` must measure a correct engine with the copy moved."""
-    p, d = engines("kv_producer"), engines("kv_consumer", extra={"copy_bug": True})
+def test_the_benchmarks_copy_bug_copies_received_prompts_and_changes_nothing_else(engines, monkeypatch):
+    """``leanserve bench disagg --copy-bug`` must measure a correct engine with only the seed's copy added."""
+    held = []
+    enqueue = EngineCore.enqueue
+    monkeypatch.setattr(EngineCore, "enqueue", lambda self, add, ids: (held.append(ids), enqueue(self, add, ids))[1])
+    install_copy_bug()  # over the recording enqueue; monkeypatch puts the engine's back afterwards
+    p, d, single = engines("kv_producer"), engines("kv_consumer"), engines(None)
     ids = prompt(50)
-    remote = prefill(p, 1, ids)
-    sent = blocks_of(p, remote.block_ids)
-    d.add_request(2, ids, GREEDY, remote_prefill=remote)
-    assert len(tokens(run(d, [2])[2])) == GREEDY.max_tokens
-    full = (len(ids) - 1) // 16
-    assert np.array_equal(blocks_of(d, d.scheduler.batch.block_table[0, :full]), sent[:, :full])
+    d.add_request(2, ids, GREEDY, remote_prefill=prefill(p, 1, ids))
+    single.add_request(3, ids, GREEDY)
+    assert tokens(run(d, [2])[2]) == tokens(run(single, [3])[3])
+    prefilled, received, aggregated = held
+    assert np.shares_memory(prefilled, ids) and np.shares_memory(aggregated, ids)  # held as they came
+    assert np.array_equal(received, ids) and not np.shares_memory(received, ids)  # the bug's copy
 
 
 def test_n_samples_share_the_received_prompt(engines):

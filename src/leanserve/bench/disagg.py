@@ -9,11 +9,13 @@ model's 49,152-token vocabulary, 32k+ context) written to a temporary directory:
   ``leanserve router --prefill --decode`` in front of them;
 * later, for the latency comparison, one aggregated server (no KV transfer).
 
-Each engine computes with one torch thread. The decode worker's engine process may use every
-core (its loop, and the transfer threads beside it); the prefill worker, the API processes, the
-router and this client are pinned to the last core, so the decode loop has the first to itself
-(on a 2-core machine: core 0 for the decode engine, core 1 for the rest; other load on the
-machine is not controlled).
+Each engine computes with one torch thread. The decode worker's loop thread (its engine
+process's main thread, which runs the forward) is pinned alone to the first core; every other
+thread, the decode engine's own (input, output, KV transfer, ZeroMQ I/O) and all of the prefill
+worker's, the API processes', the router's and this client's, to the last (on a 2-core machine:
+core 0 for the decode loop, core 1 for the rest). A deployment gives the decode loop a core
+that nothing else of the serving system competes for; here other load on the machine is not
+controlled.
 
 Measured:
 
@@ -28,15 +30,17 @@ Measured:
 * the transfers: count, MB/s and latency (pull sent -> blocks written);
 * TTFT and TPOT of the same requests through the router and against an aggregated server, and
   the router's own added latency (its histogram);
-* ``--copy-bug``: the same run with the decode worker copying received KV on its loop thread
-  (``kv_connector_extra_config: {"copy_bug": true}``), to show the measurement catches that
-  class of bug.
+* ``--copy-bug``: the same run with the seed's bug put into the decode worker (``install_copy_bug``,
+  loaded into its processes by a ``sitecustomize`` this benchmark writes; the engine has no such
+  switch): its enqueue deep-copies each received request's prompt ids as Python objects, holding
+  the GIL for O(prompt), to show the measurement catches that class of bug.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import json
 import os
 import shutil
@@ -99,22 +103,50 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _pin(pid: int, cpus: set[int]) -> None:
-    """Every thread of a process onto ``cpus``."""
-    for tid in os.listdir(f"/proc/{pid}/task"):
+def _pin(pid: int, cpus: set[int], main_thread: set[int] | None = None) -> None:
+    """Every thread of a process onto ``cpus``; its main thread onto ``main_thread`` if given."""
+    for tid in map(int, os.listdir(f"/proc/{pid}/task")):
         try:
-            os.sched_setaffinity(int(tid), cpus)
+            os.sched_setaffinity(tid, main_thread if main_thread and tid == pid else cpus)
         except ProcessLookupError:
             pass
+
+
+def install_copy_bug() -> None:
+    """The bug class this benchmark must catch, as the seed met it on a generation worker: its
+    enqueue deep-copied each request's prompt ids as Python objects, O(prompt) under the GIL,
+    while the loop thread waited for the GIL. Here: every request that arrives with a remote
+    prefill (the decode worker's) has its ids turned into a list, deep-copied and turned back,
+    on the engine's input thread."""
+    from ..engine.core import EngineCore
+
+    enqueue = EngineCore.enqueue
+
+    def copying_enqueue(self, add, prompt):
+        if add.remote_prefill is not None:
+            prompt = np.asarray(copy.deepcopy(prompt.tolist()), np.int32)
+        enqueue(self, add, prompt)
+
+    EngineCore.enqueue = copying_enqueue
+
+
+def _copy_bug_env(tmp: str) -> dict[str, str]:
+    """The environment that loads ``install_copy_bug`` into every Python process started with it
+    (the decode worker's API process and, spawned from it, its engine process)."""
+    site = os.path.join(tmp, "copy-bug-site")
+    os.makedirs(site, exist_ok=True)
+    with open(os.path.join(site, "sitecustomize.py"), "w") as f:
+        f.write("from leanserve.bench.disagg import install_copy_bug\ninstall_copy_bug()\n")
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [site, os.environ.get("PYTHONPATH")]))}
 
 
 class Process:
     """A ``leanserve`` process on a free loopback port, ready once /health answers 200."""
 
-    def __init__(self, args: list[str], cpus: set[int] | None, log_path: str):
+    def __init__(self, args: list[str], cpus: set[int] | None, log_path: str, env: dict[str, str] | None = None):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}  # one torch thread per engine
+        env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}  # one torch thread per engine
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen([sys.executable, "-m", "leanserve.cli", *args, "--port", str(self.port)],
                                      stdout=self.log, stderr=subprocess.STDOUT, env=env,
@@ -279,7 +311,11 @@ async def _host_step_run(router: str, decode: str, a) -> dict:
     out["host_step_ms"]["during, transfers pending"] = _host_step(during[pending])
     out["host_step_ms"]["during, none pending"] = _host_step(during[~pending])
     for metric in ("host_step_ms", "loop_work_ms"):
-        out[metric]["p99 during / before"] = out[metric]["during"]["p99"] / out[metric]["before"]["p99"]
+        p99 = {name: out[metric][name]["p99"] for name in ("before", "during", "after")}
+        out[metric]["p99 during / before"] = p99["during"] / p99["before"]
+        # The decoders' contexts grow through the run, and the forward with them: before and
+        # after bracket the stream, so their mean is what "during" would be without it.
+        out[metric]["p99 during / mean(before, after)"] = p99["during"] / ((p99["before"] + p99["after"]) / 2)
     # Interleaved in time, so drift (contexts grow) and other load on the machine touch both alike.
     out["host_step_ms"]["p99 pending / none pending"] = out["host_step_ms"]["during, transfers pending"]["p99"] / \
         out["host_step_ms"]["during, none pending"]["p99"]
@@ -331,18 +367,18 @@ def _router_added_ms(url: str) -> dict | None:
 
 
 def run(a, model: str, logs: str, copy_bug: bool, with_latency: bool) -> dict:
-    every, last = a.cpus, {max(a.cpus)}
+    loop, rest = {min(a.cpus)}, {max(a.cpus)}
     kv = {"kv_connector": "ZmqConnector", "kv_transfer_timeout_s": 60}
     with ExitStack() as stack:
         prefill = Process(_serve_args(model, a, kv | {"kv_role": "kv_producer", "kv_port": _free_port()}, 8),
-                          last, f"{logs}/prefill.log")
+                          rest, f"{logs}/prefill.log")
         stack.callback(prefill.stop)
-        extra = {"kv_connector_extra_config": {"copy_bug": True}} if copy_bug else {}
-        decode = Process(_serve_args(model, a, kv | {"kv_role": "kv_consumer", "kv_port": _free_port()} | extra,
-                                     a.decoders + 2 * a.long_concurrency), every, f"{logs}/decode.log")
+        decode = Process(_serve_args(model, a, kv | {"kv_role": "kv_consumer", "kv_port": _free_port()},
+                                     a.decoders + 2 * a.long_concurrency), rest, f"{logs}/decode.log",
+                         _copy_bug_env(logs) if copy_bug else None)
         stack.callback(decode.stop)
-        _pin(decode.proc.pid, last)  # its API process; its engine keeps every core
-        router = Process(["router", "--prefill", prefill.url, "--decode", decode.url], last, f"{logs}/router.log")
+        _pin(decode.engine_pid(), rest, main_thread=loop)
+        router = Process(["router", "--prefill", prefill.url, "--decode", decode.url], rest, f"{logs}/router.log")
         stack.callback(router.stop)
         out = asyncio.run(_host_step_run(router.url, decode.url, a))
         out["copy_bug"] = copy_bug
@@ -352,9 +388,9 @@ def run(a, model: str, logs: str, copy_bug: bool, with_latency: bool) -> dict:
             out["router_added_ms"] = _router_added_ms(router.url)
     if with_latency:
         with ExitStack() as stack:
-            single = Process(_serve_args(model, a, None, a.decoders), every, f"{logs}/aggregated.log")
+            single = Process(_serve_args(model, a, None, a.decoders), rest, f"{logs}/aggregated.log")
             stack.callback(single.stop)
-            _pin(single.proc.pid, last)
+            _pin(single.engine_pid(), rest, main_thread=loop)
             name = httpx.get(single.url + "/v1/models").json()["data"][0]["id"]
             out["latency_aggregated"] = asyncio.run(_latency_run(single.url, a, name))
     return out
@@ -364,7 +400,7 @@ def run(a, model: str, logs: str, copy_bug: bool, with_latency: bool) -> dict:
 
 
 def _fmt_run(r: dict) -> str:
-    label = "copy bug: received KV copied on the decode loop's thread" if r["copy_bug"] else "leanserve"
+    label = "copy bug: the decode worker's enqueue deep-copies received prompts" if r["copy_bug"] else "leanserve"
     lines = [label]
     titles = {"host_step_ms": "host step time, iterations of exactly the decoders' rows",
               "loop_work_ms": "loop work (fetch + schedule + prepare + output), every decode iteration"}

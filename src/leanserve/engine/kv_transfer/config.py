@@ -29,8 +29,7 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     # vLLM's kv_load_failure_policy: "fail" ends the request with the transfer's error;
     # "recompute" computes the prompt here instead.
     kv_load_failure_policy: str = "fail"
-    # Connector options. ZmqConnector: {"copy_bug": true} copies received KV on the loop thread,
-    # the bug class `leanserve bench disagg --copy-bug` must catch.
+    # Options of a connector that has some (vLLM's field); ZmqConnector has none.
     kv_connector_extra_config: dict = {}
 
     @classmethod

@@ -36,7 +36,7 @@ import zmq
 
 from ..kv_cache import KVCache
 from .config import KVTransferConfig
-from .connector import KVConnector, KVEvents
+from .connector import KVConnector
 from .leases import Lease
 from .loads import Load
 from .messages import (BlocksHeader, FromPrefill, KVLayout, PullRequest, Refused, ReleaseLease, RemotePrefill,
@@ -59,9 +59,6 @@ class ZmqConnector(KVConnector):
             raise ValueError("--kv-transfer-config: ZmqConnector moves host memory; this KV cache is on "
                              f"{kv.tensor.device}")
         self.spans = kv.spans().numpy()  # [layers * 2, num_blocks, span_bytes], the cache's memory
-        self._copy_bug = bool(config.kv_connector_extra_config.get("copy_bug"))
-        # copy_bug: what was received, as (block ids, [layers * 2, n, span_bytes] bytes) pieces, written by ``poll``
-        self._unscattered: deque[tuple[Load, list[tuple[list[int], list[np.ndarray]]]]] = deque()
         self._sending: list[tuple[list[zmq.MessageTracker], Lease]] = []  # answers ZeroMQ may still read
         self._commands: deque[tuple] = deque()
         self._ctx = zmq.Context()
@@ -96,17 +93,6 @@ class ZmqConnector(KVConnector):
             self._wake.send(b"", zmq.NOBLOCK)
         except zmq.Again:
             pass  # a thousand wake-ups are queued already: the thread will drain every command
-
-    def poll(self) -> KVEvents:
-        events = super().poll()
-        # The copy bug: the transfer thread hands the received bytes over, and the loop copies
-        # them into the cache, then marks the load done (it lands next iteration).
-        while self._unscattered:
-            load, pieces = self._unscattered.popleft()
-            for block_ids, frames in pieces:
-                self._land(block_ids, frames)
-            self.loads.finish(load.request_id, None)
-        return events
 
     def shutdown(self) -> None:
         if self._ctx.closed:
@@ -237,8 +223,7 @@ class ZmqConnector(KVConnector):
         finally:
             if error is None:
                 self.counters.durations.append(_elapsed(load))
-            if error is not None or not self._copy_bug:  # with the bug, the loop finishes it
-                self.loads.finish(load.request_id, error)
+            self.loads.finish(load.request_id, error)
             self.wakeup()
 
     def _write(self, load: Load, msg: BlocksHeader | Refused, frames: list[zmq.Frame]) -> str | None:
@@ -261,18 +246,13 @@ class ZmqConnector(KVConnector):
                     f"{rows} x {span_bytes} bytes")
         # Each group of ``rows`` frames is the next piece of the request's blocks: it lands in
         # the request's next blocks here, wherever they are in this cache.
-        pieces, first = [], 0
+        first = 0
         for i, g in enumerate(groups):
             count = g[0] // span_bytes
             group = frames[i * rows : (i + 1) * rows]
-            data = [np.frombuffer(f.buffer, np.uint8).reshape(count, span_bytes) for f in group]
-            pieces.append((load.block_ids[first : first + count], data))
+            self._land(load.block_ids[first : first + count],
+                       [np.frombuffer(f.buffer, np.uint8).reshape(count, span_bytes) for f in group])
             first += count
-        if self._copy_bug:
-            self._unscattered.append((load, pieces))
-        else:
-            for block_ids, data in pieces:
-                self._land(block_ids, data)
         self.counters.bytes_received += n * rows * span_bytes
         return None
 
