@@ -90,7 +90,10 @@ def engines(a, port: int, eos_ids: list[int]) -> dict[str, Engine]:
         "llama-server": Engine("llama-server", [str(PEERS / "llama-server"), "-m", model, "--host", "127.0.0.1",
                                                 "--port", str(port), "-np", str(slots), "-c",
                                                 str(slots * ctx_per_slot), "-t", threads, "-tb", threads,
-                                                "--no-webui", "--log-disable"], {},
+                                                # Weights as the GGUF has them: on a CPU with AMX,
+                                                # repacking puts them in ggml's AMX buffers, whose
+                                                # matmul segfaults at the first decode on this VM.
+                                                "--no-repack", "--no-webui", "--log-disable"], {},
                                f"{slots} parallel slots x {ctx_per_slot} context, weights as in the GGUF"),
         # llama-cpp-python's server has no ignore_eos: a logit bias keeps EOS from being sampled.
         # By default it cuts off a streaming request when the next one arrives: off, so requests queue.

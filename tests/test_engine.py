@@ -288,6 +288,7 @@ def test_iteration_stats_are_recorded(tiny):
     # it its first token (however the three arrivals split over iterations).
     assert col["num_context_tokens"].sum() == 60
     assert col["num_generation_requests"].sum() == 3 * (GREEDY.max_tokens - 1)
+    assert col["num_new_requests"].sum() == 3
     assert (col["forward_ms"] > 0).all()
     phases = sum(col[n] for n in ("fetch_ms", "schedule_ms", "prepare_ms", "forward_ms", "sample_ms", "output_ms"))
     assert (phases <= col["host_step_ms"] + 1e-6).all()  # the phases are disjoint parts of the step

@@ -21,7 +21,8 @@ Measured:
 
 * host step time p50/p95/p99 of the decode worker's iterations that are exactly the 64 decode
   rows, before, during and after a stream of long-prompt requests (goal: p99 during / before
-  <= 1.2), and during, split by whether transfers were in flight. Iterations that also run a
+  <= 1.2), and during, split by whether transfers were in flight and by whether the next
+  iteration took a newly arrived request (the one beside its enqueue). Iterations that also run a
   received request's rows are left out: today's decode attention pads every row to the longest
   context in the batch, so one 32k-token row makes a 64-row step ~10x slower, which says nothing
   about the host path;
@@ -216,13 +217,18 @@ _F = {name: i for i, name in enumerate(FIELDS)}
 LOOP_PHASES = ("fetch_ms", "schedule_ms", "prepare_ms", "output_ms")
 
 
+def _in_window(rows: np.ndarray, counts: np.ndarray, start: int, end: int, decoders: int,
+               exactly: bool = True) -> np.ndarray:
+    """Which rows are decode iterations [start, end) (no prefill chunk) with exactly the
+    decoders' rows, or (``exactly`` False) at least those."""
+    gen = rows[:, _F["num_generation_requests"]]
+    return ((counts >= start) & (counts < end) & ((gen == decoders) if exactly else (gen >= decoders))
+            & (rows[:, _F["num_context_tokens"]] == 0))
+
+
 def _window(rows: np.ndarray, counts: np.ndarray, start: int, end: int, decoders: int,
             exactly: bool = True) -> np.ndarray:
-    """Decode iterations [start, end) (no prefill chunk) with exactly the decoders' rows, or
-    (``exactly`` False) at least those."""
-    sel = rows[(counts >= start) & (counts < end)]
-    gen = sel[:, _F["num_generation_requests"]]
-    return sel[((gen == decoders) if exactly else (gen >= decoders)) & (sel[:, _F["num_context_tokens"]] == 0)]
+    return rows[_in_window(rows, counts, start, end, decoders, exactly)]
 
 
 def _host_step(sel: np.ndarray) -> dict:
@@ -310,6 +316,14 @@ async def _host_step_run(router: str, decode: str, a) -> dict:
     pending = during[:, _F["num_waiting_for_kv"]] > 0
     out["host_step_ms"]["during, transfers pending"] = _host_step(during[pending])
     out["host_step_ms"]["during, none pending"] = _host_step(during[~pending])
+    # A request's enqueue (the API process hands it to the engine's input thread) runs beside
+    # the iteration before the one whose fetch takes it: O(prompt) work there under the GIL (the
+    # copy bug) lengthens that iteration, by at most its own duration, once per arrival.
+    before_arrival = np.zeros(len(rows), bool)
+    before_arrival[:-1] = rows[1:, _F["num_new_requests"]] > 0
+    in_during = _in_window(rows, counts, marks["during"], marks["after"], a.decoders)
+    out["host_step_ms"]["during, before an arrival"] = _host_step(rows[in_during & before_arrival])
+    out["host_step_ms"]["during, the others"] = _host_step(rows[in_during & ~before_arrival])
     for metric in ("host_step_ms", "loop_work_ms"):
         p99 = {name: out[metric][name]["p99"] for name in ("before", "during", "after")}
         out[metric]["p99 during / before"] = p99["during"] / p99["before"]
@@ -319,6 +333,10 @@ async def _host_step_run(router: str, decode: str, a) -> dict:
     # Interleaved in time, so drift (contexts grow) and other load on the machine touch both alike.
     out["host_step_ms"]["p99 pending / none pending"] = out["host_step_ms"]["during, transfers pending"]["p99"] / \
         out["host_step_ms"]["during, none pending"]["p99"]
+    # Arrivals are few (one per 32k-token prompt), so their median, not their tail.
+    arrival, others = out["host_step_ms"]["during, before an arrival"], out["host_step_ms"]["during, the others"]
+    if arrival["n"] and others["n"]:
+        out["host_step_ms"]["p50 before an arrival / the others"] = arrival["p50"] / others["p50"]
     kv1 = s["kv_transfer"]
     n = kv1["transfers_completed"] - kv0["transfers_completed"]
     times = np.asarray(s["kv_transfer_times_s"][-n:]) if n else np.zeros(0)
