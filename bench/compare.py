@@ -80,6 +80,10 @@ def engines(a, port: int, eos_ids: list[int]) -> dict[str, Engine]:
     ctx_per_slot = max(a.input_lens) + a.output_len + 256
     model = str(a.model)
     hf = hf_copy(a.model)
+    # On a CPU with AMX, llama.cpp repacks the weights into its AMX buffers, whose matmul
+    # segfaulted at the first decode on the VM these results come from (AVX512 BF16/VNNI and
+    # AMX): there, the weights stay as the GGUF has them, computed by its AVX512 kernels.
+    no_amx = ["--no-repack"] if "amx_bf16" in machine()["isa"] else []
     leanserve_flags = [*(["--dtype", a.dtype] if a.dtype else []),
                        *(["--quantization", a.quantization] if a.quantization else [])]
     return {
@@ -90,10 +94,7 @@ def engines(a, port: int, eos_ids: list[int]) -> dict[str, Engine]:
         "llama-server": Engine("llama-server", [str(PEERS / "llama-server"), "-m", model, "--host", "127.0.0.1",
                                                 "--port", str(port), "-np", str(slots), "-c",
                                                 str(slots * ctx_per_slot), "-t", threads, "-tb", threads,
-                                                # Weights as the GGUF has them: on a CPU with AMX,
-                                                # repacking puts them in ggml's AMX buffers, whose
-                                                # matmul segfaults at the first decode on this VM.
-                                                "--no-repack", "--no-webui", "--log-disable"], {},
+                                                *no_amx, "--no-webui", "--log-disable"], {},
                                f"{slots} parallel slots x {ctx_per_slot} context, weights as in the GGUF"),
         # llama-cpp-python's server has no ignore_eos: a logit bias keeps EOS from being sampled.
         # By default it cuts off a streaming request when the next one arrives: off, so requests queue.

@@ -29,10 +29,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
 def engine(role: str | None = "kv_both", seed: int = 0, dtype=torch.float32, engine_id: str | None = None,
-           port: int | None = None, extra: dict | None = None, **kw) -> EngineCore:
+           port: int | None = None, **kw) -> EngineCore:
     kv = None if role is None else KVTransferConfig(kv_role=role, kv_port=port or free_port(), engine_id=engine_id,
-                                                    kv_transfer_timeout_s=kw.pop("timeout", 10.0),
-                                                    kv_connector_extra_config=extra or {}).with_engine_id()
+                                                    kv_transfer_timeout_s=kw.pop("timeout", 10.0)).with_engine_id()
     kw = dict(max_num_seqs=8, max_model_len=512, kv_cache_memory=4 << 20) | kw
     cfg = EngineConfig(kv_transfer=kv, dtype=str(dtype).removeprefix("torch."), **kw)
     return EngineCore(cfg, model=tiny_model(512, seed=seed).to(dtype))
@@ -138,9 +137,14 @@ def test_an_answer_sends_long_runs_of_blocks_in_place_and_gathers_the_short_ones
 
 def test_the_benchmarks_copy_bug_copies_received_prompts_and_changes_nothing_else(engines, monkeypatch):
     """``leanserve bench disagg --copy-bug`` must measure a correct engine with only the seed's copy added."""
-    held = []
+    held = []  # the prompt array each engine's enqueue was handed, in order
     enqueue = EngineCore.enqueue
-    monkeypatch.setattr(EngineCore, "enqueue", lambda self, add, ids: (held.append(ids), enqueue(self, add, ids))[1])
+
+    def recording_enqueue(self, add, ids):
+        held.append(ids)
+        enqueue(self, add, ids)
+
+    monkeypatch.setattr(EngineCore, "enqueue", recording_enqueue)
     install_copy_bug()  # over the recording enqueue; monkeypatch puts the engine's back afterwards
     p, d, single = engines("kv_producer"), engines("kv_consumer"), engines(None)
     ids = prompt(50)

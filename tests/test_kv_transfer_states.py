@@ -256,6 +256,8 @@ def test_no_block_leaks_under_many_cancelled_and_expired_leases():
     ('{"kv_role": "kv_decoder"}', "kv_role: one of kv_producer, kv_consumer, kv_both"),
     ('{"kv_port": 0}', "kv_port: must be in [1, 65535]"),
     ('{"kv_buffer_size": 1e9}', "unknown field `kv_buffer_size`"),
+    ('{"kv_connector_extra_config": {"copy_bug": true}}', "kv_connector_extra_config: ZmqConnector takes no "
+                                                          "options, got ['copy_bug']"),
     ('{"kv_transfer_timeout_s": "soon"}', "Expected `float`, got `str` - at `$.kv_transfer_timeout_s`"),
     ("kv_both", "not JSON"),
 ])

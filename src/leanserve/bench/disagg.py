@@ -33,8 +33,9 @@ Measured:
   the router's own added latency (its histogram);
 * ``--copy-bug``: the same run with the seed's bug put into the decode worker (``install_copy_bug``,
   loaded into its processes by a ``sitecustomize`` this benchmark writes; the engine has no such
-  switch): its enqueue deep-copies each received request's prompt ids as Python objects, holding
-  the GIL for O(prompt), to show the measurement catches that class of bug.
+  switch): its enqueue deep-copies each received request's prompt ids as Python objects, O(prompt)
+  work that competes with the loop thread for the GIL, to show the measurement catches that
+  class of bug.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ from ..model.transformer import Transformer
 from .serve import one_request, summarize
 
 VOCAB = 49152  # the default model's tokenizer serves the random model
+COPY_BUG_INSTALLED = "leanserve bench disagg: copy bug installed"
 STARTUP_S = 300.0
 
 
@@ -104,22 +106,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _pin(pid: int, cpus: set[int], main_thread: set[int] | None = None) -> None:
-    """Every thread of a process onto ``cpus``; its main thread onto ``main_thread`` if given."""
+def _pin(pid: int, cpus: set[int], main_cpus: set[int] | None = None) -> None:
+    """Every thread of a process onto ``cpus``; its main thread onto ``main_cpus`` if given."""
     for tid in map(int, os.listdir(f"/proc/{pid}/task")):
         try:
-            os.sched_setaffinity(tid, main_thread if main_thread and tid == pid else cpus)
+            os.sched_setaffinity(tid, main_cpus if main_cpus and tid == pid else cpus)
         except ProcessLookupError:
             pass
 
 
 def install_copy_bug() -> None:
     """The bug class this benchmark must catch, as the seed met it on a generation worker: its
-    enqueue deep-copied each request's prompt ids as Python objects, O(prompt) under the GIL,
-    while the loop thread waited for the GIL. Here: every request that arrives with a remote
-    prefill (the decode worker's) has its ids turned into a list, deep-copied and turned back,
-    on the engine's input thread."""
+    enqueue deep-copied each request's prompt ids as Python objects, O(prompt) work competing
+    with the loop thread for the GIL. Here: every request that arrives with a remote prefill
+    (the decode worker's) has its ids turned into a list, deep-copied and turned back, on the
+    engine's input thread. Says so on stderr, which ``run`` checks for in the worker's log."""
     from ..engine.core import EngineCore
+
+    print(COPY_BUG_INSTALLED, file=sys.stderr, flush=True)
 
     enqueue = EngineCore.enqueue
 
@@ -131,10 +135,10 @@ def install_copy_bug() -> None:
     EngineCore.enqueue = copying_enqueue
 
 
-def _copy_bug_env(tmp: str) -> dict[str, str]:
+def _copy_bug_env(directory: str) -> dict[str, str]:
     """The environment that loads ``install_copy_bug`` into every Python process started with it
     (the decode worker's API process and, spawned from it, its engine process)."""
-    site = os.path.join(tmp, "copy-bug-site")
+    site = os.path.join(directory, "copy-bug-site")
     os.makedirs(site, exist_ok=True)
     with open(os.path.join(site, "sitecustomize.py"), "w") as f:
         f.write("from leanserve.bench.disagg import install_copy_bug\ninstall_copy_bug()\n")
@@ -385,18 +389,21 @@ def _router_added_ms(url: str) -> dict | None:
 
 
 def run(a, model: str, logs: str, copy_bug: bool, with_latency: bool) -> dict:
-    loop, rest = {min(a.cpus)}, {max(a.cpus)}
+    loop_cpus, other_cpus = {min(a.cpus)}, {max(a.cpus)}
     kv = {"kv_connector": "ZmqConnector", "kv_transfer_timeout_s": 60}
     with ExitStack() as stack:
         prefill = Process(_serve_args(model, a, kv | {"kv_role": "kv_producer", "kv_port": _free_port()}, 8),
-                          rest, f"{logs}/prefill.log")
+                          other_cpus, f"{logs}/prefill.log")
         stack.callback(prefill.stop)
         decode = Process(_serve_args(model, a, kv | {"kv_role": "kv_consumer", "kv_port": _free_port()},
-                                     a.decoders + 2 * a.long_concurrency), rest, f"{logs}/decode.log",
+                                     a.decoders + 2 * a.long_concurrency), other_cpus, f"{logs}/decode.log",
                          _copy_bug_env(logs) if copy_bug else None)
         stack.callback(decode.stop)
-        _pin(decode.engine_pid(), rest, main_thread=loop)
-        router = Process(["router", "--prefill", prefill.url, "--decode", decode.url], rest, f"{logs}/router.log")
+        _pin(decode.engine_pid(), other_cpus, main_cpus=loop_cpus)
+        if copy_bug and open(f"{logs}/decode.log").read().count(COPY_BUG_INSTALLED) < 2:
+            sys.exit(f"leanserve bench disagg: the copy bug did not load into the decode worker's API and engine "
+                     f"processes (log: {logs}/decode.log)")
+        router = Process(["router", "--prefill", prefill.url, "--decode", decode.url], other_cpus, f"{logs}/router.log")
         stack.callback(router.stop)
         out = asyncio.run(_host_step_run(router.url, decode.url, a))
         out["copy_bug"] = copy_bug
@@ -406,9 +413,9 @@ def run(a, model: str, logs: str, copy_bug: bool, with_latency: bool) -> dict:
             out["router_added_ms"] = _router_added_ms(router.url)
     if with_latency:
         with ExitStack() as stack:
-            single = Process(_serve_args(model, a, None, a.decoders), rest, f"{logs}/aggregated.log")
+            single = Process(_serve_args(model, a, None, a.decoders), other_cpus, f"{logs}/aggregated.log")
             stack.callback(single.stop)
-            _pin(single.engine_pid(), rest, main_thread=loop)
+            _pin(single.engine_pid(), other_cpus, main_cpus=loop_cpus)
             name = httpx.get(single.url + "/v1/models").json()["data"][0]["id"]
             out["latency_aggregated"] = asyncio.run(_latency_run(single.url, a, name))
     return out

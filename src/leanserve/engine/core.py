@@ -207,7 +207,7 @@ class EngineCore:
         """One iteration: fetch, schedule, execute, update. Returns its output; None when there
         was nothing to run or report. A failing iteration fails its own requests, not the loop."""
         clock = PhaseClock()
-        aborted, num_new = self._fetch()
+        aborted, num_new_requests = self._fetch()
         rejected, self._rejected = self._rejected, {}
         clock.lap("fetch_ms")
         sched = self.scheduler.schedule()
@@ -227,7 +227,7 @@ class EngineCore:
             step_out = self._fail(sched, error, aborted, result.finished if result else [])
             step_out.errors.update(rejected)
         clock.lap("output_ms")
-        self._record(clock, sched, num_new)
+        self._record(clock, sched, num_new_requests)
         return step_out
 
     def _execute(self, sched: ScheduledBatch, clock: PhaseClock) -> ModelOutput:
@@ -240,9 +240,9 @@ class EngineCore:
         clock.ms["grammar_ms"] += out.grammar_ms
         return out
 
-    def _record(self, clock: PhaseClock, sched: ScheduledBatch, num_new: int) -> None:
+    def _record(self, clock: PhaseClock, sched: ScheduledBatch, num_new_requests: int) -> None:
         self.stats.record(
-            host_step_ms=clock.total_ms, **clock.ms, num_new_requests=num_new,
+            host_step_ms=clock.total_ms, **clock.ms, num_new_requests=num_new_requests,
             num_context_tokens=sched.num_prefill_tokens, num_generation_requests=len(sched.decode_slots),
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             num_waiting_for_kv=len(self.scheduler.receiving),

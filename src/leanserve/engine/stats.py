@@ -31,7 +31,7 @@ FIELDS = (
     "num_waiting_for_kv",  # requests holding blocks while their prompt's KV arrives (decode worker)
     "kv_blocks_used",
     "num_preemptions",  # preemptions in this iteration
-    "num_new_requests",  # requests this iteration's fetch took from the inbox
+    "num_new_requests",  # requests this iteration's fetch took from the inbox (n samples count once)
 )
 
 

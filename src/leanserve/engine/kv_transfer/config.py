@@ -29,7 +29,7 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     # vLLM's kv_load_failure_policy: "fail" ends the request with the transfer's error;
     # "recompute" computes the prompt here instead.
     kv_load_failure_policy: str = "fail"
-    # Options of a connector that has some (vLLM's field); ZmqConnector has none.
+    # vLLM's field for a connector's own options; ZmqConnector has none, so it must be empty.
     kv_connector_extra_config: dict = {}
 
     @classmethod
@@ -56,6 +56,9 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
         for name in ("kv_transfer_timeout_s", "kv_lease_timeout_s"):
             if getattr(self, name) <= 0:
                 bad(name, f"must be > 0, got {getattr(self, name)}")
+        if self.kv_connector_extra_config:
+            bad("kv_connector_extra_config", f"{self.kv_connector} takes no options, got "
+                                             f"{sorted(self.kv_connector_extra_config)}")
         if self.kv_load_failure_policy not in LOAD_FAILURE_POLICIES:
             bad("kv_load_failure_policy", f"one of {', '.join(LOAD_FAILURE_POLICIES)}, "
                                           f"got {self.kv_load_failure_policy!r}")
