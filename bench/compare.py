@@ -95,7 +95,8 @@ def engines(a, port: int, eos_ids: list[int]) -> dict[str, Engine]:
                                                 "--port", str(port), "-np", str(slots), "-c",
                                                 str(slots * ctx_per_slot), "-t", threads, "-tb", threads,
                                                 *no_amx, "--no-webui", "--log-disable"], {},
-                               f"{slots} parallel slots x {ctx_per_slot} context, weights as in the GGUF"),
+                               f"{slots} parallel slots x {ctx_per_slot} context, weights as in the GGUF"
+                               + (" (--no-repack: its AMX matmul crashes on this CPU)" if no_amx else "")),
         # llama-cpp-python's server has no ignore_eos: a logit bias keeps EOS from being sampled.
         # By default it cuts off a streaming request when the next one arrives: off, so requests queue.
         "llama-cpp-python": Engine("llama-cpp-python", [str(PEERS / "venv-llamacpp/bin/python"), "-m",
