@@ -21,7 +21,9 @@ Measured:
 
 * host step time p50/p95/p99 of the decode worker's iterations that are exactly the 64 decode
   rows, before, during and after a stream of long-prompt requests (goal: p99 during / before
-  <= 1.2), and during, split by whether transfers were in flight and by whether the next
+  <= 1.2); in a control window between before and during, the same stream prefill-only
+  (``max_tokens`` 1: the router never calls the decode worker), so the other core is as busy
+  and no KV arrives; and during, split by whether transfers were in flight and by whether the next
   iteration took a newly arrived request (the one beside its enqueue). Iterations that also run a
   received request's rows are left out: today's decode attention pads every row to the longest
   context in the batch, so one 32k-token row makes a 64-row step ~10x slower, which says nothing
@@ -265,17 +267,18 @@ async def _decoders(c: httpx.AsyncClient, a, rng) -> list[asyncio.Task]:
     return tasks
 
 
-async def _long_stream(c: httpx.AsyncClient, a, prefix: list[int], rng, count: int) -> list[float]:
+async def _long_stream(c: httpx.AsyncClient, a, prefix: list[int], rng, count: int, max_tokens: int = 2) -> list[float]:
     """``count`` long-prompt requests (a shared prefix, so the prefill worker's cache serves most
     of each: they arrive fast, and each still moves its whole prompt's KV), ``a.long_concurrency``
-    at a time. Returns their latencies."""
+    at a time. With ``max_tokens`` 1 the prefill worker finishes them and the router never calls
+    the decode worker: the same stream, without KV for the decode worker. Returns their latencies."""
     todo = iter(range(count))
     latencies = []
 
     async def worker():
         for _ in todo:
             t = time.perf_counter()
-            r = await c.post("/v1/completions", json={"prompt": prefix + _ids(rng, 64), "max_tokens": 2,
+            r = await c.post("/v1/completions", json={"prompt": prefix + _ids(rng, 64), "max_tokens": max_tokens,
                                                       "ignore_eos": True, "temperature": 0.0})
             r.raise_for_status()
             latencies.append(time.perf_counter() - t)
@@ -297,7 +300,9 @@ async def _host_step_run(router: str, decode: str, a) -> dict:
         await _wait_iterations(decode, 20, a.decoders, start)
         marks = {"before": (await asyncio.to_thread(stats, decode))["iterations_total"]}
         await _wait_iterations(decode, a.window, a.decoders, marks["before"])
-        marks["during"] = (await asyncio.to_thread(stats, decode))["iterations_total"]
+        marks["control"] = (await asyncio.to_thread(stats, decode))["iterations_total"]
+        await _long_stream(c, a, prefix, rng, a.long_prompts, max_tokens=1)
+        marks["during"] = (await asyncio.to_thread(_settled, decode))["iterations_total"]
         kv0 = (await asyncio.to_thread(stats, decode))["kv_transfer"]
         t0 = time.perf_counter()
         latencies = await _long_stream(c, a, prefix, rng, a.long_prompts)
@@ -312,8 +317,9 @@ async def _host_step_run(router: str, decode: str, a) -> dict:
     s = await asyncio.to_thread(stats, decode, marks["before"])
     rows, counts = np.asarray(s["rows"]), np.arange(marks["before"], marks["before"] + len(s["rows"]))
     out = {"marks": marks, "host_step_ms": {}, "loop_work_ms": {}}
-    for name, (lo, hi) in {"before": ("before", "during"), "during": ("during", "after"),
-                           "after": ("after", "end")}.items():
+    windows = {"before": ("before", "control"), "control": ("control", "during"), "during": ("during", "after"),
+               "after": ("after", "end")}
+    for name, (lo, hi) in windows.items():
         out["host_step_ms"][name] = _host_step(_window(rows, counts, marks[lo], marks[hi], a.decoders))
         out["loop_work_ms"][name] = _loop_work(_window(rows, counts, marks[lo], marks[hi], a.decoders, False))
     during = _window(rows, counts, marks["during"], marks["after"], a.decoders)
@@ -334,6 +340,9 @@ async def _host_step_run(router: str, decode: str, a) -> dict:
         # The decoders' contexts grow through the run, and the forward with them: before and
         # after bracket the stream, so their mean is what "during" would be without it.
         out[metric]["p99 during / mean(before, after)"] = p99["during"] / ((p99["before"] + p99["after"]) / 2)
+        # The control window ran the same stream prefill-only, just before: the same work on the
+        # other core (but the decode worker's API process's), and no KV for the decode worker.
+        out[metric]["p99 during / control"] = p99["during"] / out[metric]["control"]["p99"]
     # Interleaved in time, so drift (contexts grow) and other load on the machine touch both alike.
     out["host_step_ms"]["p99 pending / none pending"] = out["host_step_ms"]["during, transfers pending"]["p99"] / \
         out["host_step_ms"]["during, none pending"]["p99"]
