@@ -22,21 +22,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import numpy as np
+from compare import RESULTS, Engine, free_port, machine, start, stop  # this script's neighbour in bench/
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
 DECODE_ROWS = 64
 
 
@@ -115,12 +109,6 @@ def step_probe(a) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------- serve
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def serve_command(port: int, budget: int) -> list[str]:
     return [sys.executable, "-m", "leanserve.cli", "serve", "--port", str(port),
             "--max-num-batched-tokens", str(budget)]
@@ -136,32 +124,15 @@ def serve_one(budget: int, input_len: int, prompts: int, log: Path) -> dict:
     from leanserve.bench import serve
 
     port = free_port()
-    env = os.environ | {"PYTHONPATH": str(ROOT / "src")}
-    proc = subprocess.Popen(serve_command(port, budget), stdout=log.open("w"), stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True)
+    engine = Engine("leanserve", serve_command(port, budget), {}, f"--max-num-batched-tokens {budget}",
+                    start_timeout=300)
+    proc, _ = start(engine, port, log)
     try:
-        t0 = time.monotonic()
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}; see {log}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() - t0 > 300:
-                raise RuntimeError(f"server did not come up in 300 s; see {log}")
-            time.sleep(1)
         before = loadavg()
         out = serve.main(bench_args(f"http://127.0.0.1:{port}", input_len, prompts))
         return out["summary"] | {"engine": out["engine"], "load_before": before, "load_after": loadavg()}
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop(proc)
 
 
 KEYS = ("median_itl_ms", "p99_itl_ms", "median_tpot_ms", "output_throughput", "median_ttft_ms", "p99_ttft_ms")
@@ -187,16 +158,6 @@ def serve_table(runs: list[dict]) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------- report
-def machine() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
-    flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
-    import torch
-
-    return {"cpu": cpu, "cores": os.cpu_count(), "isa": [f for f in ("avx512_bf16", "amx_bf16") if f in flags],
-            "torch": torch.__version__, "python": platform.python_version()}
-
-
 def write(results: Path, result: dict) -> None:
     (results / "chunk_budget.json").write_text(json.dumps(result, indent=1))
     m = result["machine"]
@@ -256,7 +217,9 @@ def main() -> None:
     # A part run alone keeps the other part's results.
     path = a.results / "chunk_budget.json"
     result = json.loads(path.read_text()) if path.exists() else {}
-    result["machine"] = machine()
+    import torch
+
+    result["machine"] = machine() | {"torch": torch.__version__}
     if a.part in ("steps", "both"):
         before = loadavg()
         rows = step_probe(a)

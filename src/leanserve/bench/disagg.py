@@ -322,16 +322,16 @@ async def _host_step_run(router: str, decode: str, a) -> dict:
     for name, (lo, hi) in windows.items():
         out["host_step_ms"][name] = _host_step(_window(rows, counts, marks[lo], marks[hi], a.decoders))
         out["loop_work_ms"][name] = _loop_work(_window(rows, counts, marks[lo], marks[hi], a.decoders, False))
-    during = _window(rows, counts, marks["during"], marks["after"], a.decoders)
+    in_during = _in_window(rows, counts, marks["during"], marks["after"], a.decoders)
+    during = rows[in_during]
     pending = during[:, _F["num_waiting_for_kv"]] > 0
     out["host_step_ms"]["during, transfers pending"] = _host_step(during[pending])
     out["host_step_ms"]["during, none pending"] = _host_step(during[~pending])
     # A request's enqueue (the API process hands it to the engine's input thread) runs beside
-    # the iteration before the one whose fetch takes it: O(prompt) work there under the GIL (the
-    # copy bug) lengthens that iteration, by at most its own duration, once per arrival.
+    # the iteration before the one whose fetch takes it: O(prompt) work there competing for the
+    # GIL (the copy bug) lengthens that iteration, by at most its own duration, once per arrival.
     before_arrival = np.zeros(len(rows), bool)
     before_arrival[:-1] = rows[1:, _F["num_new_requests"]] > 0
-    in_during = _in_window(rows, counts, marks["during"], marks["after"], a.decoders)
     out["host_step_ms"]["during, before an arrival"] = _host_step(rows[in_during & before_arrival])
     out["host_step_ms"]["during, the others"] = _host_step(rows[in_during & ~before_arrival])
     for metric in ("host_step_ms", "loop_work_ms"):
