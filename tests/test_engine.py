@@ -279,10 +279,16 @@ def test_penalties_and_top_k_run(tiny):
 
 def test_iteration_stats_are_recorded(tiny):
     with make_llm(tiny) as llm:
+        t0 = time.time()
         llm.generate(prompts_of([10, 20, 30]), GREEDY)
+        t1 = time.time()
         s = llm.engine.stats.summary()
         rows = llm.engine.stats.window()
     col = {name: rows[:, i] for i, name in enumerate(FIELDS)}
+    # Each iteration's start on the wall clock, in order and within the call.
+    began = col["start_time_s"]
+    assert t0 <= began[0] and began[-1] <= t1 and (np.diff(began) * 1e3 >= col["host_step_ms"][:-1] - 0.05).all()
+    assert "start_time_s" not in s  # a time stamp has no percentiles
     assert s["iterations"]["count"] == len(rows) >= 24
     # Every prompt token is computed once; each request decodes 23 rows after its prefill gave
     # it its first token (however the three arrivals split over iterations).

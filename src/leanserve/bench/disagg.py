@@ -20,14 +20,17 @@ controlled.
 Measured:
 
 * host step time p50/p95/p99 of the decode worker's iterations that are exactly the 64 decode
-  rows, before, during and after a stream of long-prompt requests (goal: p99 during / before
-  <= 1.2); in a control window between before and during, the same stream prefill-only
-  (``max_tokens`` 1: the router never calls the decode worker), so the other core is as busy
-  and no KV arrives; and during, split by whether transfers were in flight and by whether the next
-  iteration took a newly arrived request (the one beside its enqueue). Iterations that also run a
-  received request's rows are left out: today's decode attention pads every row to the longest
-  context in the batch, so one 32k-token row makes a 64-row step ~10x slower, which says nothing
-  about the host path;
+  rows, quiet (the decoders alone) and during a stream of long-prompt requests (goal: p99 during /
+  quiet <= 1.2); and in control, the same stream prefill-only (``max_tokens`` 1: the router never
+  calls the decode worker), so the other core is as busy and no KV arrives. The decoders'
+  contexts grow through the run, and the step with them, so the three alternate in rounds
+  (quiet, control and stream, their order swapped every other round; a last quiet window) and
+  each is pooled over the rounds; the ratio is also given round by round, each stream against
+  the quiet windows on either side. During is split by whether transfers were in flight and by
+  whether the next iteration took a newly arrived request (the one beside its enqueue).
+  Iterations that also run a received request's rows are left out: today's decode attention pads
+  every row to the longest context in the batch, so one 32k-token row makes a 64-row step ~10x
+  slower, which says nothing about the host path;
 * the loop's own work in every decode iteration, those included: fetch + schedule + prepare +
   output, the phases outside the model runner (schedule is where transfers land);
 * the transfers: count, MB/s and latency (pull sent -> blocks written);
@@ -55,6 +58,7 @@ import sys
 import tempfile
 import time
 from contextlib import ExitStack
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import httpx
@@ -221,20 +225,33 @@ def _pcts(xs) -> dict:
 
 _F = {name: i for i, name in enumerate(FIELDS)}
 LOOP_PHASES = ("fetch_ms", "schedule_ms", "prepare_ms", "output_ms")
+QUIET, CONTROL, DURING = "quiet", "control", "during"
 
 
-def _in_window(rows: np.ndarray, counts: np.ndarray, start: int, end: int, decoders: int,
-               exactly: bool = True) -> np.ndarray:
-    """Which rows are decode iterations [start, end) (no prefill chunk) with exactly the
-    decoders' rows, or (``exactly`` False) at least those."""
-    gen = rows[:, _F["num_generation_requests"]]
-    return ((counts >= start) & (counts < end) & ((gen == decoders) if exactly else (gen >= decoders))
-            & (rows[:, _F["num_context_tokens"]] == 0))
+@dataclass(frozen=True)
+class Segment:
+    """A stretch of the run, [start, end) in seconds since the epoch (the engine stamps each
+    iteration row with its start on the same clock): the decoders alone (quiet), beside the
+    long-prompt stream run prefill-only (control), or receiving the stream's KV (during)."""
+
+    kind: str
+    round: int
+    start: float
+    end: float
 
 
-def _window(rows: np.ndarray, counts: np.ndarray, start: int, end: int, decoders: int,
-            exactly: bool = True) -> np.ndarray:
-    return rows[_in_window(rows, counts, start, end, decoders, exactly)]
+def _in_window(rows: np.ndarray, segments: list[Segment], decoders: int, exactly: bool = True) -> np.ndarray:
+    """Which rows are decode iterations (no prefill chunk) begun in any of ``segments`` with
+    exactly the decoders' rows, or (``exactly`` False) at least those."""
+    gen, began = rows[:, _F["num_generation_requests"]], rows[:, _F["start_time_s"]]
+    inside = np.zeros(len(rows), bool)
+    for s in segments:
+        inside |= (began >= s.start) & (began < s.end)
+    return inside & ((gen == decoders) if exactly else (gen >= decoders)) & (rows[:, _F["num_context_tokens"]] == 0)
+
+
+def _window(rows: np.ndarray, segments: list[Segment], decoders: int, exactly: bool = True) -> np.ndarray:
+    return rows[_in_window(rows, segments, decoders, exactly)]
 
 
 def _host_step(sel: np.ndarray) -> dict:
@@ -245,13 +262,79 @@ def _loop_work(sel: np.ndarray) -> dict:
     return _pcts(sel[:, [_F[p] for p in LOOP_PHASES]].sum(axis=1))
 
 
-async def _wait_iterations(url: str, n: int, decoders: int, since: int) -> None:
-    """Until the decode worker has run ``n`` iterations of exactly the decoders' rows."""
+def _p99(rows: np.ndarray, seg: Segment, decoders: int, metric: str) -> float:
+    if metric == "host_step_ms":
+        return _host_step(_window(rows, [seg], decoders)).get("p99", np.nan)
+    return _loop_work(_window(rows, [seg], decoders, exactly=False)).get("p99", np.nan)
+
+
+def summarize_segments(rows: np.ndarray, segments: list[Segment], decoders: int) -> dict:
+    """The decode worker's iteration rows (consecutive, oldest first) over the measurement's
+    segments: each kind's iterations pooled over the rounds, and the goal's ratio
+    of p99s round by round.
+
+    The decoders' contexts grow through the run, and the step with them (11 to 26 ms p50 over
+    one run of the default workload): a window before the stream and one during it differ by
+    that growth as much as by the stream. So the kinds alternate, quiet, control, during, round
+    after round, and end quiet."""
+    by_kind = {k: [s for s in segments if s.kind == k] for k in (QUIET, CONTROL, DURING)}
+    out: dict = {"host_step_ms": {}, "loop_work_ms": {}}
+    for kind, segs in by_kind.items():
+        out["host_step_ms"][kind] = _host_step(_window(rows, segs, decoders))
+        out["loop_work_ms"][kind] = _loop_work(_window(rows, segs, decoders, exactly=False))
+    in_during = _in_window(rows, by_kind[DURING], decoders)
+    during = rows[in_during]
+    pending = during[:, _F["num_waiting_for_kv"]] > 0
+    splits = out["host_step_ms"]
+    splits["during, transfers pending"] = _host_step(during[pending])
+    splits["during, none pending"] = _host_step(during[~pending])
+    # A request's enqueue (the API process hands it to the engine's input thread) runs beside
+    # the iteration before the one whose fetch takes it: O(prompt) work there competing for the
+    # GIL (the copy bug) lengthens that iteration, by at most its own duration, once per arrival.
+    before_arrival = np.zeros(len(rows), bool)
+    before_arrival[:-1] = rows[1:, _F["num_new_requests"]] > 0
+    splits["during, before an arrival"] = _host_step(rows[in_during & before_arrival])
+    splits["during, the others"] = _host_step(rows[in_during & ~before_arrival])
+
+    # Each round's stream against the quiet windows just before and after it (a step that grows
+    # steadily through the run reads the same on both sides of their mean), and against the
+    # control beside it; the median over the rounds. Pooled p99s would not do: under drift the
+    # tail of a pool is its latest stretch, whatever ran there.
+    ratios: dict = {}
+    for metric in ("host_step_ms", "loop_work_ms"):
+        p99 = {(seg.kind, seg.round): _p99(rows, seg, decoders, metric) for seg in segments}
+        by_round = {"p99 during / quiet": [p99[DURING, r] / ((p99[QUIET, r] + p99[QUIET, r + 1]) / 2)
+                                           for r in range(len(by_kind[DURING]))],
+                    "p99 during / control": [p99[DURING, r] / p99[CONTROL, r] for r in range(len(by_kind[DURING]))]}
+        ratios[metric] = {name: {"median": float(np.median([x for x in v if x == x] or [np.nan])), "by_round": v}
+                          for name, v in by_round.items()}
+    # Interleaved in time, so drift (contexts grow) and other load on the machine touch both alike.
+    ratios["host_step_ms"]["p99 pending / none pending"] = \
+        splits["during, transfers pending"].get("p99", np.nan) / splits["during, none pending"].get("p99", np.nan)
+    # Arrivals are few (one per 32k-token prompt), so their median, not their tail.
+    ratios["host_step_ms"]["p50 before an arrival / the others"] = \
+        splits["during, before an arrival"].get("p50", np.nan) / splits["during, the others"].get("p50", np.nan)
+    out["ratios"] = ratios
+    return out
+
+
+async def _iterations(url: str) -> int:
+    """The decode worker's iteration count, as of its last snapshot (they come every 0.5 s)."""
+    return (await asyncio.to_thread(stats, url))["iterations_total"]
+
+
+async def _wait_iterations(url: str, n: int, decoders: list[asyncio.Task]) -> None:
+    """Until the decode worker has begun ``n`` iterations of exactly the decoders' rows from now on."""
+    now = Segment(QUIET, 0, time.time(), np.inf)
+    since = await _iterations(url)
     while True:
         await asyncio.sleep(0.5)
+        if any(t.done() for t in decoders):
+            raise RuntimeError("leanserve bench disagg: a decoder ended before the measurement did "
+                               "(raise --decoder-max-tokens)")
         s = await asyncio.to_thread(stats, url, since)
-        if len(s.get("rows") or []) and len(_window(np.asarray(s["rows"]), np.arange(since, since + len(s["rows"])),
-                                                     since, 1 << 62, decoders)) >= n:
+        rows = np.asarray(s.get("rows") or np.zeros((0, len(FIELDS))))
+        if len(_window(rows, [now], len(decoders))) >= n:
             return
 
 
@@ -260,11 +343,10 @@ def _ids(rng: np.random.Generator, n: int) -> list[int]:
 
 
 async def _decoders(c: httpx.AsyncClient, a, rng) -> list[asyncio.Task]:
-    """``a.decoders`` long generations through the router; returns once all of them decode."""
+    """``a.decoders`` long generations through the router, as tasks."""
     body = {"max_tokens": a.decoder_max_tokens, "ignore_eos": True, "temperature": 0.0}
-    tasks = [asyncio.create_task(c.post("/v1/completions", json={**body, "prompt": _ids(rng, a.decoder_prompt_len)}))
-             for _ in range(a.decoders)]
-    return tasks
+    return [asyncio.create_task(c.post("/v1/completions", json={**body, "prompt": _ids(rng, a.decoder_prompt_len)}))
+            for _ in range(a.decoders)]
 
 
 async def _long_stream(c: httpx.AsyncClient, a, prefix: list[int], rng, count: int, max_tokens: int = 2) -> list[float]:
@@ -290,66 +372,45 @@ async def _long_stream(c: httpx.AsyncClient, a, prefix: list[int], rng, count: i
 async def _host_step_run(router: str, decode: str, a) -> dict:
     rng = np.random.default_rng(a.seed)
     prefix = _ids(rng, a.long_prompt_len - 64)
+    per_round = [len(part) for part in np.array_split(np.arange(a.long_prompts), a.rounds)]
     limits = httpx.Limits(max_connections=a.decoders + a.long_concurrency + 4)
+    segments, latencies = [], []
     async with httpx.AsyncClient(base_url=router, timeout=None, limits=limits) as c:
         # Warm-up: the long prefix into the prefill worker's cache (its one slow prefill), one
         # transfer of its KV, and the decoders running.
         await _long_stream(c, SimpleNamespace(long_concurrency=1), prefix, rng, 1)
-        start = (await asyncio.to_thread(_settled, decode))["iterations_total"]
+        await asyncio.sleep(0.7)  # the warm-up's iterations into the worker's snapshot
+        first = await _iterations(decode)
         decoders = await _decoders(c, a, rng)
-        await _wait_iterations(decode, 20, a.decoders, start)
-        marks = {"before": (await asyncio.to_thread(stats, decode))["iterations_total"]}
-        await _wait_iterations(decode, a.window, a.decoders, marks["before"])
-        marks["control"] = (await asyncio.to_thread(stats, decode))["iterations_total"]
-        await _long_stream(c, a, prefix, rng, a.long_prompts, max_tokens=1)
-        marks["during"] = (await asyncio.to_thread(_settled, decode))["iterations_total"]
+        await _wait_iterations(decode, 20, decoders)
         kv0 = (await asyncio.to_thread(stats, decode))["kv_transfer"]
-        t0 = time.perf_counter()
-        latencies = await _long_stream(c, a, prefix, rng, a.long_prompts)
-        stream_s = time.perf_counter() - t0
-        marks["after"] = (await asyncio.to_thread(_settled, decode))["iterations_total"]
-        await _wait_iterations(decode, a.window, a.decoders, marks["after"])
-        marks["end"] = (await asyncio.to_thread(stats, decode))["iterations_total"]
+
+        async def quiet(r: int) -> None:
+            t = time.time()
+            await _wait_iterations(decode, a.window, decoders)
+            segments.append(Segment(QUIET, r, t, time.time()))
+
+        async def stream(kind: str, r: int) -> None:
+            t = time.time()
+            took = await _long_stream(c, a, prefix, rng, per_round[r], 1 if kind == CONTROL else 2)
+            segments.append(Segment(kind, r, t, time.time()))
+            if kind == DURING:
+                latencies.extend(took)
+
+        for r in range(a.rounds):
+            await quiet(r)
+            # Control and during swap places from round to round, so neither is always the later.
+            for kind in (CONTROL, DURING) if r % 2 == 0 else (DURING, CONTROL):
+                await stream(kind, r)
+        await quiet(a.rounds)
         for t in decoders:
             t.cancel()  # the client leaves: the router and the workers abort them
         await asyncio.gather(*decoders, return_exceptions=True)
     await asyncio.sleep(0.7)  # the last iteration rows arrive with the engine's next snapshot
-    s = await asyncio.to_thread(stats, decode, marks["before"])
-    rows, counts = np.asarray(s["rows"]), np.arange(marks["before"], marks["before"] + len(s["rows"]))
-    out = {"marks": marks, "host_step_ms": {}, "loop_work_ms": {}}
-    windows = {"before": ("before", "control"), "control": ("control", "during"), "during": ("during", "after"),
-               "after": ("after", "end")}
-    for name, (lo, hi) in windows.items():
-        out["host_step_ms"][name] = _host_step(_window(rows, counts, marks[lo], marks[hi], a.decoders))
-        out["loop_work_ms"][name] = _loop_work(_window(rows, counts, marks[lo], marks[hi], a.decoders, False))
-    in_during = _in_window(rows, counts, marks["during"], marks["after"], a.decoders)
-    during = rows[in_during]
-    pending = during[:, _F["num_waiting_for_kv"]] > 0
-    out["host_step_ms"]["during, transfers pending"] = _host_step(during[pending])
-    out["host_step_ms"]["during, none pending"] = _host_step(during[~pending])
-    # A request's enqueue (the API process hands it to the engine's input thread) runs beside
-    # the iteration before the one whose fetch takes it: O(prompt) work there competing for the
-    # GIL (the copy bug) lengthens that iteration, by at most its own duration, once per arrival.
-    before_arrival = np.zeros(len(rows), bool)
-    before_arrival[:-1] = rows[1:, _F["num_new_requests"]] > 0
-    out["host_step_ms"]["during, before an arrival"] = _host_step(rows[in_during & before_arrival])
-    out["host_step_ms"]["during, the others"] = _host_step(rows[in_during & ~before_arrival])
-    for metric in ("host_step_ms", "loop_work_ms"):
-        p99 = {name: out[metric][name]["p99"] for name in ("before", "during", "after")}
-        out[metric]["p99 during / before"] = p99["during"] / p99["before"]
-        # The decoders' contexts grow through the run, and the forward with them: before and
-        # after bracket the stream, so their mean is what "during" would be without it.
-        out[metric]["p99 during / mean(before, after)"] = p99["during"] / ((p99["before"] + p99["after"]) / 2)
-        # The control window ran the same stream prefill-only, just before: the same work on the
-        # other core (but the decode worker's API process's), and no KV for the decode worker.
-        out[metric]["p99 during / control"] = p99["during"] / out[metric]["control"]["p99"]
-    # Interleaved in time, so drift (contexts grow) and other load on the machine touch both alike.
-    out["host_step_ms"]["p99 pending / none pending"] = out["host_step_ms"]["during, transfers pending"]["p99"] / \
-        out["host_step_ms"]["during, none pending"]["p99"]
-    # Arrivals are few (one per 32k-token prompt), so their median, not their tail.
-    arrival, others = out["host_step_ms"]["during, before an arrival"], out["host_step_ms"]["during, the others"]
-    if arrival["n"] and others["n"]:
-        out["host_step_ms"]["p50 before an arrival / the others"] = arrival["p50"] / others["p50"]
+    s = await asyncio.to_thread(stats, decode, first)
+    out = summarize_segments(np.asarray(s["rows"]), segments, a.decoders)
+    out["segments"] = [vars(seg) for seg in segments]
+    stream_s = sum(seg.end - seg.start for seg in segments if seg.kind == DURING)
     kv1 = s["kv_transfer"]
     n = kv1["transfers_completed"] - kv0["transfers_completed"]
     times = np.asarray(s["kv_transfer_times_s"][-n:]) if n else np.zeros(0)
@@ -435,21 +496,28 @@ def run(a, model: str, logs: str, copy_bug: bool, with_latency: bool) -> dict:
 
 def _fmt_run(r: dict) -> str:
     label = "copy bug: the decode worker's enqueue deep-copies received prompts" if r["copy_bug"] else "leanserve"
-    lines = [label]
+    rounds = max(seg["round"] for seg in r["segments"])
+    lines = [f"{label} ({rounds} rounds)"]
     titles = {"host_step_ms": "host step time, iterations of exactly the decoders' rows",
               "loop_work_ms": "loop work (fetch + schedule + prepare + output), every decode iteration"}
     for metric, title in titles.items():
         lines.append(f"  {title}, ms: p50 / p95 / p99 (max)  [iterations]")
         for name, s in r[metric].items():
-            if isinstance(s, dict) and s["n"]:
+            if s["n"]:
                 lines.append(f"    {name:<26} {s['p50']:8.2f} / {s['p95']:8.2f} / {s['p99']:8.2f} ({s['max']:.2f})"
                              f"  [{s['n']}]")
-        lines += [f"    {k} = {v:.2f}" for k, v in r[metric].items() if not isinstance(v, dict)]
+        for name, v in r["ratios"][metric].items():
+            if isinstance(v, dict):
+                lines.append(f"    {name} = {v['median']:.2f}, median of the rounds' "
+                             f"{', '.join(f'{x:.2f}' for x in v['by_round'])}")
+            else:
+                lines.append(f"    {name} = {v:.2f}")
     t = r["transfers"]
     if t["count"]:
         lat, rate = t["latency_ms"], t["mb_per_s"]
         lines.append(f"  transfers: {t['count']} ({t['failed']} failed) of {t['mb_each']:.1f} MB, pull to blocks "
-                     f"written: p50 / p99 {lat['p50']:.1f} / {lat['p99']:.1f} ms, {rate['p50']:.0f} MB/s p50")
+                     f"written: p50 / p99 {lat['p50']:.1f} / {lat['p99']:.1f} ms, {rate['p50']:.0f} MB/s p50; "
+                     f"{t['count'] / t['stream_s']:.1f} arrivals / s while streaming")
     return "\n".join(lines)
 
 
@@ -470,12 +538,15 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="leanserve bench disagg", description=__doc__.split("\n\n")[0])
     ap.add_argument("--decoders", type=int, default=64, help="requests decoding on the decode worker throughout")
     ap.add_argument("--decoder-prompt-len", type=int, default=1024,
-                    help="their prompts: long enough that their growth over the run changes steps little")
+                    help="their prompts; their contexts, and the step with them, grow through the run (hence rounds)")
     ap.add_argument("--decoder-max-tokens", type=int, default=4000)
     ap.add_argument("--long-prompt-len", type=int, default=32_000)
-    ap.add_argument("--long-prompts", type=int, default=24, help="long-prompt requests in the stream")
+    ap.add_argument("--long-prompts", type=int, default=48,
+                    help="long-prompt requests in the stream, over all rounds (and as many again prefill-only)")
     ap.add_argument("--long-concurrency", type=int, default=1)
-    ap.add_argument("--window", type=int, default=200, help="decode iterations before and after the stream")
+    ap.add_argument("--rounds", type=int, default=4,
+                    help="quiet window, control stream and stream, round after round, and a last quiet window")
+    ap.add_argument("--window", type=int, default=100, help="decode iterations in each quiet window")
     ap.add_argument("--latency-requests", type=int, default=16)
     ap.add_argument("--latency-prompt-len", type=int, default=1024)
     ap.add_argument("--latency-output-len", type=int, default=64)
@@ -484,6 +555,8 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write all results to this file")
     a = ap.parse_args(argv)
+    if a.rounds < 1 or a.long_prompts < a.rounds:
+        ap.error("--rounds must be at least 1 and --long-prompts at least --rounds (each round streams some)")
     a.max_model_len = a.long_prompt_len + 256
     a.cpus = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {max(a.cpus)})  # this client beside the prefill worker, off the decode loop's core

@@ -242,7 +242,7 @@ class EngineCore:
 
     def _record(self, clock: PhaseClock, sched: ScheduledBatch, num_new_requests: int) -> None:
         self.stats.record(
-            host_step_ms=clock.total_ms, **clock.ms, num_new_requests=num_new_requests,
+            start_time_s=clock.start_time, host_step_ms=clock.total_ms, **clock.ms, num_new_requests=num_new_requests,
             num_context_tokens=sched.num_prefill_tokens, num_generation_requests=len(sched.decode_slots),
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             num_waiting_for_kv=len(self.scheduler.receiving),

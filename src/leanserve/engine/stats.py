@@ -15,6 +15,7 @@ import time
 import numpy as np
 
 FIELDS = (
+    "start_time_s",  # when the iteration began, seconds since the epoch: places it among events outside the engine
     "host_step_ms",  # top of this iteration to top of the next
     "forward_ms",
     "fetch_ms",  # draining the inbox (new requests, aborts)
@@ -35,6 +36,8 @@ FIELDS = (
 )
 
 
+SUMMARIZED = FIELDS[1:]  # what a percentile means for: every field but the time stamp
+
 PHASES = ("fetch_ms", "schedule_ms", "prepare_ms", "broadcast_ms", "forward_ms", "grammar_ms", "sample_ms",
           "output_ms")
 
@@ -44,9 +47,10 @@ class PhaseClock:
     since the previous lap to ``ms[name]`` (``lap()`` skips a span measured elsewhere). Phases
     an iteration never reached stay 0."""
 
-    __slots__ = ("start", "_last", "ms")
+    __slots__ = ("start", "start_time", "_last", "ms")
 
     def __init__(self):
+        self.start_time = time.time()
         self.start = self._last = time.perf_counter()
         self.ms = dict.fromkeys(PHASES, 0.0)
 
@@ -109,7 +113,7 @@ class IterationStats:
         out = {"iterations": {"count": float(len(rows))}}
         if not len(rows):
             return out
-        for name in FIELDS:
+        for name in SUMMARIZED:
             col = self.column(rows, name)
             p50, p95, p99 = np.percentile(col, [50, 95, 99])
             out[name] = {"mean": float(col.mean()), "p50": float(p50), "p95": float(p95), "p99": float(p99)}
