@@ -11,8 +11,10 @@ import torch
 
 from leanserve import LLM, SamplingParams
 from leanserve.engine.request import FinishReason
+from leanserve.engine import model_runner
 from leanserve.engine.stats import FIELDS
 from leanserve.model import ModelSpec, load_model
+from leanserve.model.attention import split_decode_rows
 
 from .test_model import dense_logits
 
@@ -68,6 +70,25 @@ def test_batch_invariance_with_chunked_prefill(tiny):
     with make_llm(tiny, max_num_batched_tokens=64, max_num_seqs=32, enable_prefix_caching=False) as llm:
         together = [o.outputs[0] for o in llm.generate(prompts, params)]
         assert llm.engine.stats.summary()["num_context_tokens"]["p99"] <= 64
+        assert_same_greedy(together, [llm.generate([p], params)[0].outputs[0] for p in prompts])
+
+
+def test_short_sequences_decoded_beside_a_long_one_give_what_they_give_alone(tiny, monkeypatch):
+    """Decode rows split into a short group and a long one (one long context would pad them all
+    to its length) decode the same greedy tokens as each sequence alone."""
+    splits = []
+
+    def recording_split(seq_lens, block_size):
+        parts = split_decode_rows(seq_lens, block_size)
+        splits.append(parts is not None)
+        return parts
+
+    monkeypatch.setattr(model_runner, "split_decode_rows", recording_split)
+    prompts = prompts_of([900, 5, 12, 3, 30, 7, 9, 20])
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    with make_llm(tiny, max_num_seqs=8) as llm:
+        together = [o.outputs[0] for o in llm.generate(prompts, params)]
+        assert any(splits)
         assert_same_greedy(together, [llm.generate([p], params)[0].outputs[0] for p in prompts])
 
 

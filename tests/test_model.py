@@ -31,7 +31,7 @@ def dense_logits(model, ids: list[int]) -> torch.Tensor:
     blocks = -(-len(ids) // block) + 1
     kv = torch.zeros(cfg.num_layers, 2, blocks, block, cfg.num_kv_heads, cfg.head_dim, dtype=model.norm.weight.dtype)
     n = len(ids)
-    meta = AttentionMetadata.build(torch.arange(block, block + n), None, None, 0, [(0, n, n, None)])
+    meta = AttentionMetadata.build(torch.arange(block, block + n), None, 0, [(0, n, n, None)])
     return model(torch.tensor(ids), torch.arange(n), kv, meta)
 
 

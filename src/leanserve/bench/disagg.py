@@ -28,9 +28,10 @@ Measured:
   each is pooled over the rounds; the ratio is also given round by round, each stream against
   the quiet windows on either side. During is split by whether transfers were in flight and by
   whether the next iteration took a newly arrived request (the one beside its enqueue).
-  Iterations that also run a received request's rows are left out: today's decode attention pads
-  every row to the longest context in the batch, so one 32k-token row makes a 64-row step ~10x
-  slower, which says nothing about the host path;
+  Iterations that also run a received request's rows are left out: attending its 32k-token
+  context is the forward's cost, not the host path's (decode attention gives it a group of its
+  own, so the 64 short rows are not padded to its length: that made such a step 20x slower and
+  the next two slower still, their working set evicted from the caches);
 * the loop's own work in every decode iteration, those included: fetch + schedule + prepare +
   output, the phases outside the model runner (schedule is where transfers land);
 * the transfers: count, MB/s and latency (pull sent -> blocks written);
@@ -539,9 +540,9 @@ def main(argv=None) -> None:
     ap.add_argument("--decoders", type=int, default=64, help="requests decoding on the decode worker throughout")
     ap.add_argument("--decoder-prompt-len", type=int, default=1024,
                     help="their prompts; their contexts, and the step with them, grow through the run (hence rounds)")
-    ap.add_argument("--decoder-max-tokens", type=int, default=4000)
+    ap.add_argument("--decoder-max-tokens", type=int, default=8000, help="enough to outlast the measurement")
     ap.add_argument("--long-prompt-len", type=int, default=32_000)
-    ap.add_argument("--long-prompts", type=int, default=48,
+    ap.add_argument("--long-prompts", type=int, default=128,
                     help="long-prompt requests in the stream, over all rounds (and as many again prefill-only)")
     ap.add_argument("--long-concurrency", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=4,

@@ -1,0 +1,75 @@
+"""Decode attention over the paged KV cache against a dense reference, rows grouped or not."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from leanserve.model.attention import AttentionMetadata, DecodeGroup, DecodeMaskTable, paged_attention, split_decode_rows
+
+BLOCK, KV_HEADS, HEADS, DIM = 16, 2, 6, 32
+
+
+@pytest.mark.parametrize("lens,groups", [
+    ([1500] * 64 + [32_000], [list(range(64)), [64]]),  # one long context among short ones
+    ([32_000] + [1500] * 64, [list(range(1, 65)), [0]]),  # wherever it sits
+    ([100, 900, 120, 1000, 110], [[0, 2, 4], [1, 3]]),  # two populations: the cut between them
+    ([1000, 1010, 990, 1020], None),  # alike: one group
+    ([10, 20, 30, 40], None),  # padding wastes under half the keys
+    ([5000], None),
+])
+def test_rows_are_split_only_where_padding_to_the_longest_wastes_most_keys(lens, groups):
+    got = split_decode_rows(np.asarray(lens), BLOCK)
+    assert (None if got is None else [g.tolist() for g in got]) == groups
+
+
+def dense(q, ks, vs, scale):
+    """Each row alone against its own keys, with the query heads repeated per KV head."""
+    out = []
+    for qi, k, v in zip(q, ks, vs):
+        k, v = k.repeat_interleave(HEADS // KV_HEADS, 1), v.repeat_interleave(HEADS // KV_HEADS, 1)
+        out.append(F.scaled_dot_product_attention(qi[:, None], k.transpose(0, 1), v.transpose(0, 1), scale=scale)[:, 0])
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_rows_of_mixed_lengths_attend_exactly_their_own_contexts(dtype):
+    g = torch.Generator().manual_seed(0)
+    lens = np.array([37, 300, 16, 2000, 45, 129, 64])  # 2,000 among short ones: split in two groups
+    blocks = -(-lens // BLOCK)
+    num_blocks = int(blocks.sum()) + 1
+    k_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, DIM, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, DIM, generator=g).to(dtype)
+    ids = torch.randperm(num_blocks - 1, generator=g) + 1  # each row's blocks scattered, block 0 unused
+    table = np.zeros((len(lens), blocks.max()), np.int64)
+    for r, start in enumerate(np.cumsum(blocks) - blocks):
+        table[r, : blocks[r]] = ids[start : start + blocks[r]]
+    d = len(lens)
+    q = torch.randn(d, HEADS, DIM, generator=g).to(dtype)
+    k_new, v_new = torch.randn(d, KV_HEADS, DIM, generator=g).to(dtype), torch.randn(d, KV_HEADS, DIM, generator=g).to(dtype)
+    slots = torch.as_tensor(table[np.arange(d), (lens - 1) // BLOCK] * BLOCK + (lens - 1) % BLOCK)
+    masks = DecodeMaskTable("cpu", dtype=dtype)
+
+    def attend(groups):
+        kc, vc = k_cache.clone(), v_cache.clone()
+        meta = AttentionMetadata.build(slots, groups, int(lens.max()), [])
+        return paged_attention(q, k_new, v_new, kc, vc, meta, DIM ** -0.5).view(d, HEADS, DIM), kc, vc
+
+    one, kc, vc = attend([DecodeGroup(None, torch.as_tensor(table), masks(torch.as_tensor(lens), table.shape[1] * BLOCK))])
+    parts = split_decode_rows(lens, BLOCK)
+    assert parts is not None and [p.tolist() for p in parts] == [[0, 1, 2, 4, 5, 6], [3]]
+    groups = []
+    for rows in parts:
+        width = int(blocks[rows].max())
+        groups.append(DecodeGroup(torch.as_tensor(rows), torch.as_tensor(table[rows, :width]),
+                                  masks(torch.as_tensor(lens[rows]), width * BLOCK)))
+    split, kc2, vc2 = attend(groups)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)  # the new keys written once, in place
+    ks = [kc[torch.as_tensor(table[r, : blocks[r]])].flatten(0, 1)[: lens[r]].float() for r in range(d)]
+    vs = [vc[torch.as_tensor(table[r, : blocks[r]])].flatten(0, 1)[: lens[r]].float() for r in range(d)]
+    want = dense(q.float(), ks, vs, DIM ** -0.5)
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(one.float(), want, **tol)
+    torch.testing.assert_close(split.float(), want, **tol)
