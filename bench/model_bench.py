@@ -1,16 +1,21 @@
 """Model benchmark on the default model (SmolLM2-135M-Instruct, GGUF Q4_1).
 
-Per variant, float32, bfloat16 and bfloat16 with ``--quantization int8`` (each in a fresh process,
-so RSS is the model's own):
+Per variant, float32, bfloat16 (the default), bfloat16 with ``--quantization int8`` and with
+``--quantization gguf`` (the file's Q4 blocks as int4), each in a fresh process, so RSS is the
+model's own:
   * load time and RSS after load;
   * forward time of one decode step at batch 1, 8, 32, 128 (context 256 per sequence) and of a
     512-token prefill, median of 5, through the same paged-attention path the engine uses;
+  * where a batch-1 decode step's time goes, op by op (torch.profiler, self CPU time);
+  * a decode step of 64 sequences of 1,024 tokens against the time it takes to read their KV
+    cache once at the memory bandwidth measured here (a 1 GiB copy on all cores);
   * the CPU's GEMM rate at one of the model's shapes and the compute ceiling it implies;
   * engine decode throughput at batch 1, 8, 32, 64 (host step time of decode iterations) as a
     fraction of the forward-only rate of the same iterations.
 
     python bench/model_bench.py                 # all variants, writes bench/results/model.{json,md}
     python bench/model_bench.py --dtype float32 # one dtype, JSON to stdout
+    python bench/model_bench.py --agreement     # greedy tokens of bf16 vs int4 weights, JSON to stdout
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ import numpy as np
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-VARIANTS = ("float32", "bfloat16", "bfloat16+int8")
+VARIANTS = ("float32", "bfloat16", "bfloat16+int8", "bfloat16+gguf")
+TOP_OPS = 12  # ops listed by name in the breakdown; the rest are summed
 
 
 def rss_mb() -> float:
@@ -41,13 +47,18 @@ def rss_mb() -> float:
 
 def gemm_gflops(dtype, quantization: str, m: int, k: int = 576, n: int = 1536, reps: int = 30) -> float:
     """The model's own GEMM: an [out, in] weight as the model holds it (F.linear's kernel path
-    differs from a @ b; with int8, SmallBatchInt8Linear's int8 kernel at every row count)."""
+    differs from a @ b; with int8, SmallBatchInt8Linear's int8 kernel at every row count; with
+    gguf, Int4Linear's)."""
+    from leanserve.model.int4 import GROUP, Int4Linear
     from leanserve.model.quant import SmallBatchInt8Linear
 
     x = torch.randn(m, k, dtype=dtype)
     lin = torch.nn.Linear(k, n, bias=False, dtype=dtype)
     if quantization == "int8":
         lin = SmallBatchInt8Linear(lin, max_rows=1 << 30)
+    elif quantization == "gguf":
+        codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+        lin = Int4Linear(codes, torch.rand(n, k // GROUP) / 8, torch.zeros(n, k // GROUP), dtype)
     with torch.inference_mode():
         for _ in range(5):
             lin(x)
@@ -58,7 +69,7 @@ def gemm_gflops(dtype, quantization: str, m: int, k: int = 576, n: int = 1536, r
 
 
 def forward_ms(model, batch: int, context: int, prefill: int = 0, reps: int = 5) -> float:
-    from leanserve.model.attention import AttentionMetadata, DecodeMaskTable
+    from leanserve.model.attention import AttentionMetadata, DecodeGroup, DecodeMaskTable
 
     cfg, bs = model.config, 16
     per_seq = -(-max(context, prefill) // bs) + 1
@@ -67,13 +78,13 @@ def forward_ms(model, batch: int, context: int, prefill: int = 0, reps: int = 5)
     tables = torch.arange(1, nblocks).view(batch, per_seq)
     if prefill:
         n = prefill
-        meta = AttentionMetadata.build(torch.arange(bs, bs + n), None, None, 0, [(0, n, n, None)])
+        meta = AttentionMetadata.build(torch.arange(bs, bs + n), None, 0, [(0, n, n, None)])
         args = (torch.randint(0, 40000, (n,)), torch.arange(n), kv, meta, torch.tensor([n - 1]))
     else:
         pos = torch.full((batch,), context - 1)
         slots = tables[:, (context - 1) // bs] * bs + (context - 1) % bs
         mask = DecodeMaskTable(kv.device)(pos + 1, tables.shape[1] * bs)
-        meta = AttentionMetadata.build(slots, tables, mask, context, [])
+        meta = AttentionMetadata.build(slots, [DecodeGroup(None, tables, mask)], context, [])
         args = (torch.randint(0, 40000, (batch,)), pos, kv, meta, None)
     model(*args)
     times = []
@@ -82,6 +93,47 @@ def forward_ms(model, batch: int, context: int, prefill: int = 0, reps: int = 5)
         model(*args)
         times.append(time.perf_counter() - t)
     return statistics.median(times) * 1e3
+
+
+def op_breakdown(model, batch: int = 1, context: int = 256, reps: int = 10) -> dict:
+    """Self CPU time and calls per decode step by op, under torch.profiler (which adds a few
+    microseconds per op: the step's time without it is given beside)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    plain_ms = forward_ms(model, batch, context, reps=reps)
+    forward_ms(model, batch, context, reps=1)  # shapes warm
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        forward_ms(model, batch, context, reps=reps - 1)  # + one warm-up call inside: reps calls in all
+    ops = sorted(((e.key, e.count / reps, e.self_cpu_time_total / reps / 1e3) for e in prof.key_averages()),
+                 key=lambda op: -op[2])
+    total = sum(ms for _, _, ms in ops)
+    return {"step_ms": plain_ms, "profiled_ms": total, "ops_per_step": sum(n for _, n, _ in ops),
+            "top": [{"op": k, "calls": n, "ms": ms} for k, n, ms in ops[:TOP_OPS]],
+            "other_ms": sum(ms for _, _, ms in ops[TOP_OPS:])}
+
+
+def copy_bandwidth_gbs(gib: float = 1.0, reps: int = 5) -> float:
+    """Bytes read plus bytes written per second by a large copy on every core: the rate a step
+    that streams its KV cache from memory cannot beat."""
+    src = torch.ones(int(gib * (1 << 30)) // 4)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * src.numel() * 4 / best / 1e9
+
+
+def long_context(model, batch: int = 64, context: int = 1024) -> dict:
+    """A decode step of ``batch`` sequences of ``context`` tokens, against reading their KV once."""
+    cfg = model.config
+    itemsize = model.norm.weight.element_size()
+    kv_bytes = batch * context * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
+    gbs = copy_bandwidth_gbs()
+    step = forward_ms(model, batch, context, reps=3)
+    return {"batch": batch, "context": context, "kv_mb": kv_bytes / 1e6, "bandwidth_gbs": gbs,
+            "bound_ms": kv_bytes / gbs / 1e6, "step_ms": step, "step_over_bound": step / (kv_bytes / gbs / 1e6)}
 
 
 def engine_decode(model, batch: int, tokenizer) -> dict:
@@ -109,7 +161,7 @@ def engine_decode(model, batch: int, tokenizer) -> dict:
 
 
 def run_one(variant: str) -> dict:
-    """``variant``: a dtype, optionally ``+int8`` (``--quantization int8``)."""
+    """``variant``: a dtype, optionally ``+int8`` or ``+gguf`` (``--quantization``)."""
     from leanserve.model import ModelSpec, default_model_path, load_model
     from leanserve.tokenizer import Tokenizer
 
@@ -124,6 +176,8 @@ def run_one(variant: str) -> dict:
     tdtype = model.norm.weight.dtype
     res["decode_ms"] = {b: forward_ms(model, b, 256) for b in (1, 8, 32, 128)}
     res["prefill_512_ms"] = forward_ms(model, 1, 0, prefill=512)
+    res["ops_b1"] = op_breakdown(model)
+    res["long_context"] = long_context(model)
     res["gemm_gflops"] = {m: gemm_gflops(tdtype, quantization, m) for m in (1, 8, 32, 128, 512)}
     cfg = model.config
     # FLOPs per token of the weights (all matmuls, the output head included): 2 * parameters.
@@ -137,6 +191,55 @@ def run_one(variant: str) -> dict:
     return res
 
 
+def op_table(results: list[dict], variants: tuple[str, ...] = ("bfloat16", "bfloat16+gguf")) -> list[str]:
+    """The batch-1 breakdown of the default weights beside the int4 ones, op by op."""
+    by = {r["dtype"]: r["ops_b1"] for r in results if r["dtype"] in variants}
+    ops = list(dict.fromkeys(op["op"] for v in variants for op in by[v]["top"]))
+    ms = {v: {op["op"]: op for op in by[v]["top"]} for v in variants}
+    out = ["", f"Where a batch-1 decode step's time goes (context 256): self CPU time and calls per step under "
+           f"torch.profiler, {by[variants[0]]['ops_per_step']:.0f} ops per step with {variants[0]}, "
+           f"{by[variants[1]]['ops_per_step']:.0f} with {variants[1]} (the profiler adds a few microseconds to each: "
+           "the step without it is in the last row):", "",
+           "| op | " + " | ".join(f"{v} calls | ms" for v in variants) + " |", "|---|" + "---|---|" * len(variants)]
+    for name in ops:
+        cells = [f"{ms[v][name]['calls']:.0f} | {ms[v][name]['ms']:.2f}" if name in ms[v] else "| " for v in variants]
+        out.append(f"| `{name}` | " + " | ".join(cells) + " |")
+    out.append("| other ops | " + " | ".join(f" | {by[v]['other_ms']:.2f}" for v in variants) + " |")
+    out.append("| all, profiled | " + " | ".join(f"{by[v]['ops_per_step']:.0f} | {by[v]['profiled_ms']:.2f}"
+                                                 for v in variants) + " |")
+    out.append("| step without the profiler | " + " | ".join(f" | {by[v]['step_ms']:.2f}" for v in variants) + " |")
+    return out
+
+
+PROMPTS = ["The capital of France is", "Write a haiku about the sea.\n", "1, 2, 3, 4,", "In 1492, Columbus",
+           "def fibonacci(n):", "The three primary colors are", "Once upon a time, in a small village,",
+           "Water boils at", "The quick brown fox", "Question: What is 12 times 7?\nAnswer:",
+           "Python is a programming language that", "My favourite food is",
+           "The largest planet in the solar system is", "To make a cup of tea, first", "Shakespeare wrote",
+           "The speed of light is"]
+
+
+def greedy_agreement(max_tokens: int = 48) -> dict:
+    """Whether two weight formats of the default model give the same greedy tokens: what a step
+    that picked the format by its row count would need to keep a request's answer independent of
+    its neighbours. bf16 weights (``none``) against int4 (``gguf``), on ``PROMPTS``."""
+    from leanserve import LLM, SamplingParams
+    from leanserve.model import default_model_path
+    from leanserve.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_pretrained(default_model_path())
+    prompts = [np.asarray(tok.encode(t), np.int32) for t in PROMPTS]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    out = {}
+    for quantization in ("none", "gguf"):
+        with LLM(None, dtype="bfloat16", quantization=quantization) as llm:
+            out[quantization] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+             for a, b in zip(out["none"], out["gguf"])]
+    return {"prompts": len(prompts), "max_tokens": max_tokens, "identical": sum(f is None for f in first),
+            "first_difference": first}
+
+
 def markdown(results: list[dict]) -> str:
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
     out = [f"Machine: {cpu}, {os.cpu_count()} cores; torch {torch.__version__}; Python {platform.python_version()}",
@@ -146,8 +249,18 @@ def markdown(results: list[dict]) -> str:
         d = r["decode_ms"]
         out.append(f"| {r['dtype']} | {r['load_s']:.1f} | {r['rss_mb']:.0f} | {d['1']:.0f} | {d['8']:.0f} | "
                    f"{d['32']:.0f} | {d['128']:.0f} | {r['prefill_512_ms']:.0f} |")
+    out += op_table(results)
+    out += ["", "A decode step of 64 sequences of 1,024 tokens (median of 3) against the time it takes to read "
+            "their KV cache once at the memory bandwidth measured in the same process (bytes read plus written per "
+            "second by a 1 GiB copy on all cores, best of 5):", "",
+            "| dtype | KV MB | bandwidth GB/s | read once ms | step ms | step / read once |",
+            "|---|---|---|---|---|---|"]
+    for r in results:
+        lc = r["long_context"]
+        out.append(f"| {r['dtype']} | {lc['kv_mb']:.0f} | {lc['bandwidth_gbs']:.1f} | {lc['bound_ms']:.0f} | "
+                   f"{lc['step_ms']:.0f} | {lc['step_over_bound']:.1f} |")
     out += ["", "GEMM rate (M x 576 -> 1536; for +int8 the int8 kernel at every M, though the model uses it only "
-            "up to 4 rows) and the compute ceiling it implies for the model's weights "
+            "up to 4 rows; for +gguf the int4 kernel) and the compute ceiling it implies for the model's weights "
             f"({results[0]['gflop_per_token']:.2f} GFLOP/token):", "",
             "| dtype | M=1 | 8 | 32 | 128 | 512 GFLOP/s | ceiling tok/s at M=128 |", "|---|---|---|---|---|---|---|"]
     for r in results:
@@ -169,9 +282,14 @@ def markdown(results: list[dict]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", choices=VARIANTS)
+    ap.add_argument("--agreement", action="store_true",
+                    help="only compare the greedy tokens of bf16 and int4 weights; JSON to stdout")
     a = ap.parse_args()
     if a.dtype:
         print(json.dumps(run_one(a.dtype)))
+        return
+    if a.agreement:
+        print(json.dumps(greedy_agreement()))
         return
     results = []
     for dtype in VARIANTS:

@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from leanserve.model.attention import AttentionMetadata, DecodeGroup, DecodeMaskTable, paged_attention, split_decode_rows
+from leanserve.model.attention import (AttentionMetadata, DecodeGroup, DecodeMaskTable, paged_attention,
+                                      split_decode_rows)
 
 BLOCK, KV_HEADS, HEADS, DIM = 16, 2, 6, 32
 
@@ -48,7 +49,8 @@ def test_decode_rows_of_mixed_lengths_attend_exactly_their_own_contexts(dtype):
         table[r, : blocks[r]] = ids[start : start + blocks[r]]
     d = len(lens)
     q = torch.randn(d, HEADS, DIM, generator=g).to(dtype)
-    k_new, v_new = torch.randn(d, KV_HEADS, DIM, generator=g).to(dtype), torch.randn(d, KV_HEADS, DIM, generator=g).to(dtype)
+    k_new = torch.randn(d, KV_HEADS, DIM, generator=g).to(dtype)
+    v_new = torch.randn(d, KV_HEADS, DIM, generator=g).to(dtype)
     slots = torch.as_tensor(table[np.arange(d), (lens - 1) // BLOCK] * BLOCK + (lens - 1) % BLOCK)
     masks = DecodeMaskTable("cpu", dtype=dtype)
 
@@ -57,7 +59,8 @@ def test_decode_rows_of_mixed_lengths_attend_exactly_their_own_contexts(dtype):
         meta = AttentionMetadata.build(slots, groups, int(lens.max()), [])
         return paged_attention(q, k_new, v_new, kc, vc, meta, DIM ** -0.5).view(d, HEADS, DIM), kc, vc
 
-    one, kc, vc = attend([DecodeGroup(None, torch.as_tensor(table), masks(torch.as_tensor(lens), table.shape[1] * BLOCK))])
+    whole = masks(torch.as_tensor(lens), table.shape[1] * BLOCK)
+    one, kc, vc = attend([DecodeGroup(None, torch.as_tensor(table), whole)])
     parts = split_decode_rows(lens, BLOCK)
     assert parts is not None and [p.tolist() for p in parts] == [[0, 1, 2, 4, 5, 6], [3]]
     groups = []
