@@ -108,8 +108,7 @@ def op_breakdown(model, batch: int = 1, context: int = 256, reps: int = 10) -> d
                  key=lambda op: -op[2])
     total = sum(ms for _, _, ms in ops)
     return {"step_ms": plain_ms, "profiled_ms": total, "ops_per_step": sum(n for _, n, _ in ops),
-            "top": [{"op": k, "calls": n, "ms": ms} for k, n, ms in ops[:TOP_OPS]],
-            "other_ms": sum(ms for _, _, ms in ops[TOP_OPS:])}
+            "ops": [{"op": k, "calls": n, "ms": ms} for k, n, ms in ops]}
 
 
 def copy_bandwidth_gbs(gib: float = 1.0, reps: int = 5) -> float:
@@ -192,10 +191,12 @@ def run_one(variant: str) -> dict:
 
 
 def op_table(results: list[dict], variants: tuple[str, ...] = ("bfloat16", "bfloat16+gguf")) -> list[str]:
-    """The batch-1 breakdown of the default weights beside the int4 ones, op by op."""
+    """The batch-1 breakdown of the default weights beside the int4 ones, op by op: the ops in
+    either variant's ``TOP_OPS`` by time, then the rest summed."""
     by = {r["dtype"]: r["ops_b1"] for r in results if r["dtype"] in variants}
-    ops = list(dict.fromkeys(op["op"] for v in variants for op in by[v]["top"]))
-    ms = {v: {op["op"]: op for op in by[v]["top"]} for v in variants}
+    ops = list(dict.fromkeys(op["op"] for v in variants for op in by[v]["ops"][:TOP_OPS]))
+    ms = {v: {op["op"]: op for op in by[v]["ops"]} for v in variants}
+    other = {v: sum(op["ms"] for name, op in ms[v].items() if name not in ops) for v in variants}
     out = ["", f"Where a batch-1 decode step's time goes (context 256): self CPU time and calls per step under "
            f"torch.profiler, {by[variants[0]]['ops_per_step']:.0f} ops per step with {variants[0]}, "
            f"{by[variants[1]]['ops_per_step']:.0f} with {variants[1]} (the profiler adds a few microseconds to each: "
@@ -204,7 +205,7 @@ def op_table(results: list[dict], variants: tuple[str, ...] = ("bfloat16", "bflo
     for name in ops:
         cells = [f"{ms[v][name]['calls']:.0f} | {ms[v][name]['ms']:.2f}" if name in ms[v] else "| " for v in variants]
         out.append(f"| `{name}` | " + " | ".join(cells) + " |")
-    out.append("| other ops | " + " | ".join(f" | {by[v]['other_ms']:.2f}" for v in variants) + " |")
+    out.append("| other ops | " + " | ".join(f" | {other[v]:.2f}" for v in variants) + " |")
     out.append("| all, profiled | " + " | ".join(f"{by[v]['ops_per_step']:.0f} | {by[v]['profiled_ms']:.2f}"
                                                  for v in variants) + " |")
     out.append("| step without the profiler | " + " | ".join(f" | {by[v]['step_ms']:.2f}" for v in variants) + " |")

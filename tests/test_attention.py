@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from leanserve.model.attention import (AttentionMetadata, DecodeGroup, DecodeMaskTable, paged_attention,
-                                      split_decode_rows)
+from leanserve.model.attention import (AttentionMetadata, DecodeGroup, DecodeMaskTable,
+                                      decode_groups, paged_attention, split_decode_rows)
 
 BLOCK, KV_HEADS, HEADS, DIM = 16, 2, 6, 32
 
@@ -19,6 +19,9 @@ BLOCK, KV_HEADS, HEADS, DIM = 16, 2, 6, 32
     ([100, 900, 120, 1000, 110], [[0, 2, 4], [1, 3]]),  # two populations: the cut between them
     ([1000, 1010, 990, 1020], None),  # alike: one group
     ([10, 20, 30, 40], None),  # padding wastes under half the keys
+    ([16] * 63 + [48], [list(range(63)), [63]]),  # 192 row-blocks padded, 66 split: worth a second call
+    ([16] * 7 + [64], None),  # 32 row-blocks padded, 11 split: spares less than a second call costs
+    ([16, 48], None),  # exactly twice: not more than twice
     ([5000], None),
 ])
 def test_rows_are_split_only_where_padding_to_the_longest_wastes_most_keys(lens, groups):
@@ -33,6 +36,25 @@ def dense(q, ks, vs, scale):
         k, v = k.repeat_interleave(HEADS // KV_HEADS, 1), v.repeat_interleave(HEADS // KV_HEADS, 1)
         out.append(F.scaled_dot_product_attention(qi[:, None], k.transpose(0, 1), v.transpose(0, 1), scale=scale)[:, 0])
     return torch.stack(out)
+
+
+def test_decode_groups_cut_each_groups_table_to_its_longest_context_and_mask_it():
+    masks = DecodeMaskTable("cpu")
+    lens = np.array([40, 3000, 20])
+    table = np.arange(3 * 188).reshape(3, 188)
+    short, long = decode_groups(table, lens, BLOCK, masks, torch.as_tensor, mask_lone_row=False)
+    assert short.rows.tolist() == [0, 2] and short.block_ids.tolist() == table[[0, 2], :3].tolist()
+    assert long.rows.tolist() == [1] and long.block_ids.tolist() == table[[1]].tolist()
+    assert short.mask.shape == (2, 48)
+    assert (short.mask[1, 20:] == float("-inf")).all() and (short.mask[1, :20] == 0).all()
+    assert long.mask.shape == (1, 188 * BLOCK)  # one row of a split group keeps its mask: whole blocks
+    (alone,) = decode_groups(table[1:2], lens[1:2], BLOCK, masks, torch.as_tensor, mask_lone_row=False)
+    assert alone.rows is None and alone.mask is None  # keys sliced to its context instead
+    (padded,) = decode_groups(table[1:2], lens[1:2], BLOCK, masks, torch.as_tensor, mask_lone_row=True)
+    assert padded.mask.shape == (1, 188 * BLOCK)
+    with pytest.raises(ValueError, match="decode_groups: a group of some of the rows needs a mask"):
+        unmasked = DecodeGroup(torch.tensor([0]), long.block_ids, None)
+        AttentionMetadata.build(torch.zeros(1, dtype=torch.long), [unmasked], 3000, [])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -54,21 +76,23 @@ def test_decode_rows_of_mixed_lengths_attend_exactly_their_own_contexts(dtype):
     slots = torch.as_tensor(table[np.arange(d), (lens - 1) // BLOCK] * BLOCK + (lens - 1) % BLOCK)
     masks = DecodeMaskTable("cpu", dtype=dtype)
 
-    def attend(groups):
+    def attend(groups, padding_rows=0):
+        """Through paged_attention, with ``padding_rows`` after the decode rows (a padded step)."""
         kc, vc = k_cache.clone(), v_cache.clone()
         meta = AttentionMetadata.build(slots, groups, int(lens.max()), [])
-        return paged_attention(q, k_new, v_new, kc, vc, meta, DIM ** -0.5).view(d, HEADS, DIM), kc, vc
+        pad = torch.zeros(padding_rows, *q.shape[1:], dtype=dtype)
+        out = paged_attention(torch.cat((q, pad)), torch.cat((k_new, pad[:, :KV_HEADS])),
+                              torch.cat((v_new, pad[:, :KV_HEADS])), kc, vc, meta, DIM ** -0.5)
+        assert (out[d:] == 0).all()
+        return out[:d].view(d, HEADS, DIM), kc, vc
 
     whole = masks(torch.as_tensor(lens), table.shape[1] * BLOCK)
     one, kc, vc = attend([DecodeGroup(None, torch.as_tensor(table), whole)])
-    parts = split_decode_rows(lens, BLOCK)
-    assert parts is not None and [p.tolist() for p in parts] == [[0, 1, 2, 4, 5, 6], [3]]
-    groups = []
-    for rows in parts:
-        width = int(blocks[rows].max())
-        groups.append(DecodeGroup(torch.as_tensor(rows), torch.as_tensor(table[rows, :width]),
-                                  masks(torch.as_tensor(lens[rows]), width * BLOCK)))
+    groups = decode_groups(table, lens, BLOCK, masks, torch.as_tensor, mask_lone_row=True)
+    assert [g.rows.tolist() for g in groups] == [[0, 1, 2, 4, 5, 6], [3]]
     split, kc2, vc2 = attend(groups)
+    split_padded, _, _ = attend(groups, padding_rows=3)
+    assert torch.equal(split, split_padded)
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)  # the new keys written once, in place
     ks = [kc[torch.as_tensor(table[r, : blocks[r]])].flatten(0, 1)[: lens[r]].float() for r in range(d)]
     vs = [vc[torch.as_tensor(table[r, : blocks[r]])].flatten(0, 1)[: lens[r]].float() for r in range(d)]

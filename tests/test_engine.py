@@ -11,9 +11,9 @@ import torch
 
 from leanserve import LLM, SamplingParams
 from leanserve.engine.request import FinishReason
-from leanserve.engine import model_runner
 from leanserve.engine.stats import FIELDS
 from leanserve.model import ModelSpec, load_model
+from leanserve.model import attention
 from leanserve.model.attention import split_decode_rows
 
 from .test_model import dense_logits
@@ -83,7 +83,7 @@ def test_short_sequences_decoded_beside_a_long_one_give_what_they_give_alone(tin
         splits.append(parts is not None)
         return parts
 
-    monkeypatch.setattr(model_runner, "split_decode_rows", recording_split)
+    monkeypatch.setattr(attention, "split_decode_rows", recording_split)
     prompts = prompts_of([900, 5, 12, 3, 30, 7, 9, 20])
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
     with make_llm(tiny, max_num_seqs=8) as llm:
@@ -308,7 +308,7 @@ def test_iteration_stats_are_recorded(tiny):
     col = {name: rows[:, i] for i, name in enumerate(FIELDS)}
     # Each iteration's start on the wall clock, in order and within the call.
     began = col["start_time_s"]
-    assert t0 <= began[0] and began[-1] <= t1 and (np.diff(began) * 1e3 >= col["host_step_ms"][:-1] - 0.05).all()
+    assert t0 <= began[0] and began[-1] <= t1 and (np.diff(began) * 1e3 >= col["host_step_ms"][:-1] - 0.5).all()
     assert "start_time_s" not in s  # a time stamp has no percentiles
     assert s["iterations"]["count"] == len(rows) >= 24
     # Every prompt token is computed once; each request decodes 23 rows after its prefill gave

@@ -24,9 +24,10 @@ Measured:
   quiet <= 1.2); and in control, the same stream prefill-only (``max_tokens`` 1: the router never
   calls the decode worker), so the other core is as busy and no KV arrives. The decoders'
   contexts grow through the run, and the step with them, so the three alternate in rounds
-  (quiet, control and stream, their order swapped every other round; a last quiet window) and
-  each is pooled over the rounds; the ratio is also given round by round, each stream against
-  the quiet windows on either side. During is split by whether transfers were in flight and by
+  (quiet, control and stream, their order swapped every other round; a last quiet window).
+  Each stream's p99 is divided by the quiet windows' p99 interpolated to where it ran, and the
+  ratio quoted is the median of the rounds; the percentiles given per kind pool the rounds.
+  During is split by whether transfers were in flight and by
   whether the next iteration took a newly arrived request (the one beside its enqueue).
   Iterations that also run a received request's rows are left out: attending its 32k-token
   context is the forward's cost, not the host path's (decode attention gives it a group of its
@@ -211,11 +212,6 @@ def stats(url: str, since: int | None = None) -> dict:
     return httpx.get(url + "/stats", params=params, timeout=30).json()
 
 
-def _settled(url: str) -> dict:
-    time.sleep(0.7)  # iteration rows and counters arrive with the engine's snapshots (every 0.5 s)
-    return stats(url)
-
-
 def _pcts(xs) -> dict:
     xs = np.asarray(xs, np.float64)
     if not len(xs):
@@ -269,15 +265,25 @@ def _p99(rows: np.ndarray, seg: Segment, decoders: int, metric: str) -> float:
     return _loop_work(_window(rows, [seg], decoders, exactly=False)).get("p99", np.nan)
 
 
+def _position(rows: np.ndarray, seg: Segment) -> float:
+    """Where a segment sits in the run, in iterations: the mean index of the rows begun in it.
+    The decoders' contexts, and the step with them, grow by the iteration, not by the second."""
+    began = rows[:, _F["start_time_s"]]
+    inside = np.flatnonzero((began >= seg.start) & (began < seg.end))
+    return float(inside.mean()) if len(inside) else np.nan
+
+
 def summarize_segments(rows: np.ndarray, segments: list[Segment], decoders: int) -> dict:
     """The decode worker's iteration rows (consecutive, oldest first) over the measurement's
-    segments: each kind's iterations pooled over the rounds, and the goal's ratio
-    of p99s round by round.
+    segments: each kind's iterations pooled over the rounds, and the goal's ratio of p99s,
+    stream by stream, against the quiet level where it ran.
 
     The decoders' contexts grow through the run, and the step with them (11 to 26 ms p50 over
     one run of the default workload): a window before the stream and one during it differ by
-    that growth as much as by the stream. So the kinds alternate, quiet, control, during, round
-    after round, and end quiet."""
+    that growth as much as by the stream. So quiet windows and streams alternate (quiet,
+    control and during, control and during swapped every other round, a last quiet window),
+    and each stream's p99 is divided by the quiet windows' p99 interpolated to its position.
+    Pooled p99s would not do: under drift the tail of a pool is its latest stretch."""
     by_kind = {k: [s for s in segments if s.kind == k] for k in (QUIET, CONTROL, DURING)}
     out: dict = {"host_step_ms": {}, "loop_work_ms": {}}
     for kind, segs in by_kind.items():
@@ -296,27 +302,39 @@ def summarize_segments(rows: np.ndarray, segments: list[Segment], decoders: int)
     before_arrival[:-1] = rows[1:, _F["num_new_requests"]] > 0
     splits["during, before an arrival"] = _host_step(rows[in_during & before_arrival])
     splits["during, the others"] = _host_step(rows[in_during & ~before_arrival])
+    # Left out of the rest: the iterations that also decode a received request (its long context
+    # is the forward's cost, not the host path's). Their own time, for the record:
+    received = _in_window(rows, by_kind[DURING], decoders, exactly=False) & \
+        (rows[:, _F["num_generation_requests"]] > decoders)
+    splits["during, with received rows"] = _host_step(rows[received])
 
-    # Each round's stream against the quiet windows just before and after it (a step that grows
-    # steadily through the run reads the same on both sides of their mean), and against the
-    # control beside it; the median over the rounds. Pooled p99s would not do: under drift the
-    # tail of a pool is its latest stretch, whatever ran there.
     ratios: dict = {}
     for metric in ("host_step_ms", "loop_work_ms"):
-        p99 = {(seg.kind, seg.round): _p99(rows, seg, decoders, metric) for seg in segments}
-        by_round = {"p99 during / quiet": [p99[DURING, r] / ((p99[QUIET, r] + p99[QUIET, r + 1]) / 2)
-                                           for r in range(len(by_kind[DURING]))],
-                    "p99 during / control": [p99[DURING, r] / p99[CONTROL, r] for r in range(len(by_kind[DURING]))]}
-        ratios[metric] = {name: {"median": float(np.median([x for x in v if x == x] or [np.nan])), "by_round": v}
-                          for name, v in by_round.items()}
+        quiet = [(_position(rows, seg), _p99(rows, seg, decoders, metric)) for seg in by_kind[QUIET]]
+        quiet = np.asarray([q for q in quiet if q[0] == q[0] and q[1] == q[1]]).reshape(-1, 2)
+        during, control = ([_p99(rows, seg, decoders, metric) / np.interp(_position(rows, seg), *quiet.T)
+                            for seg in by_kind[kind]] for kind in (DURING, CONTROL))
+        by_round = {"p99 during / quiet": during, "p99 control / quiet": control,
+                    "p99 during / control": [d / c for d, c in zip(during, control)]}
+        ratios[metric] = {name: _median_of(v) for name, v in by_round.items()}
     # Interleaved in time, so drift (contexts grow) and other load on the machine touch both alike.
-    ratios["host_step_ms"]["p99 pending / none pending"] = \
-        splits["during, transfers pending"].get("p99", np.nan) / splits["during, none pending"].get("p99", np.nan)
+    ratios["host_step_ms"]["p99 pending / none pending"] = _ratio(splits["during, transfers pending"],
+                                                                  splits["during, none pending"], "p99")
     # Arrivals are few (one per 32k-token prompt), so their median, not their tail.
-    ratios["host_step_ms"]["p50 before an arrival / the others"] = \
-        splits["during, before an arrival"].get("p50", np.nan) / splits["during, the others"].get("p50", np.nan)
+    ratios["host_step_ms"]["p50 before an arrival / the others"] = _ratio(splits["during, before an arrival"],
+                                                                          splits["during, the others"], "p50")
     out["ratios"] = ratios
     return out
+
+
+def _ratio(a: dict, b: dict, pct: str) -> float | None:
+    return a[pct] / b[pct] if a["n"] and b["n"] else None
+
+
+def _median_of(values: list[float]) -> dict:
+    """The rounds' values and their median; a round whose window had no iterations is None."""
+    known = [float(v) for v in values if v == v]
+    return {"median": float(np.median(known)) if known else None, "by_round": [v if v == v else None for v in values]}
 
 
 async def _iterations(url: str) -> int:
@@ -326,16 +344,17 @@ async def _iterations(url: str) -> int:
 
 async def _wait_iterations(url: str, n: int, decoders: list[asyncio.Task]) -> None:
     """Until the decode worker has begun ``n`` iterations of exactly the decoders' rows from now on."""
-    now = Segment(QUIET, 0, time.time(), np.inf)
+    from_now = [Segment(QUIET, 0, time.time(), np.inf)]
     since = await _iterations(url)
     while True:
         await asyncio.sleep(0.5)
-        if any(t.done() for t in decoders):
-            raise RuntimeError("leanserve bench disagg: a decoder ended before the measurement did "
-                               "(raise --decoder-max-tokens)")
+        if ended := [t for t in decoders if t.done()]:
+            error = None if ended[0].cancelled() else ended[0].exception()
+            raise RuntimeError(f"leanserve bench disagg: a decoder ended before the measurement did "
+                               f"({error!r} if it failed; if it finished, raise --decoder-max-tokens)")
         s = await asyncio.to_thread(stats, url, since)
         rows = np.asarray(s.get("rows") or np.zeros((0, len(FIELDS))))
-        if len(_window(rows, [now], len(decoders))) >= n:
+        if len(_window(rows, from_now, len(decoders))) >= n:
             return
 
 
@@ -509,10 +528,10 @@ def _fmt_run(r: dict) -> str:
                              f"  [{s['n']}]")
         for name, v in r["ratios"][metric].items():
             if isinstance(v, dict):
-                lines.append(f"    {name} = {v['median']:.2f}, median of the rounds' "
-                             f"{', '.join(f'{x:.2f}' for x in v['by_round'])}")
+                lines.append(f"    {name} = {_num(v['median'])}, median of the rounds' "
+                             f"{', '.join(map(_num, v['by_round']))}")
             else:
-                lines.append(f"    {name} = {v:.2f}")
+                lines.append(f"    {name} = {_num(v)}")
     t = r["transfers"]
     if t["count"]:
         lat, rate = t["latency_ms"], t["mb_per_s"]
@@ -520,6 +539,10 @@ def _fmt_run(r: dict) -> str:
                      f"written: p50 / p99 {lat['p50']:.1f} / {lat['p99']:.1f} ms, {rate['p50']:.0f} MB/s p50; "
                      f"{t['count'] / t['stream_s']:.1f} arrivals / s while streaming")
     return "\n".join(lines)
+
+
+def _num(x: float | None) -> str:
+    return "n/a" if x is None or x != x else f"{x:.2f}"
 
 
 def _fmt_latency(r: dict) -> str:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..model.attention import AttentionMetadata, DecodeGroup, DecodeMaskTable, bucket, split_decode_rows
+from ..model.attention import AttentionMetadata, DecodeMaskTable, bucket, decode_groups
 from ..model.transformer import Transformer
 from .batch_state import BatchState, blocks_needed
 from .kv_cache import KVCache
@@ -235,7 +235,8 @@ class ModelRunner:
             num_rows = bucket(num_rows)
         meta = AttentionMetadata.build(
             self._t(inp.slot_mapping),
-            self._decode_groups(inp.decode_block_table, inp.decode_seq_lens) if num_decode else None,
+            decode_groups(inp.decode_block_table, inp.decode_seq_lens, bs, self.decode_masks, self._t, pad)
+            if num_decode else None,
             int(inp.decode_seq_lens.max()) if num_decode else 0,
             [(start, n, ctx, self._t(blocks)) for start, n, ctx, blocks in prefills],
             bs if pad else None,
@@ -254,22 +255,6 @@ class ModelRunner:
         if num_rows != inp.num_tokens:
             input_ids, positions = _padded(input_ids, num_rows), _padded(positions, num_rows)
         return self._t(input_ids), self._t(positions), meta, rows_t, num_logits
-
-    def _decode_groups(self, block_table: np.ndarray, seq_lens: np.ndarray) -> list[DecodeGroup]:
-        bs = self.kv.block_size
-        if (parts := split_decode_rows(seq_lens, bs)) is None:
-            # With padding, a mask for a lone row too: its keys are then whole blocks, not a new
-            # length (and kernel) per token. Without, its keys are sliced to its context.
-            masked = len(seq_lens) > 1 or self.pad_shapes
-            mask = self.decode_masks(self._t(seq_lens), block_table.shape[1] * bs) if masked else None
-            return [DecodeGroup(None, self._t(block_table), mask)]
-        groups = []
-        for rows in parts:
-            lens = seq_lens[rows]
-            width = int(blocks_needed(lens.max(), bs))
-            groups.append(DecodeGroup(self._t(rows), self._t(block_table[rows, :width]),
-                                      self.decode_masks(self._t(lens), width * bs)))
-        return groups
 
     @staticmethod
     def _prompt_logprobs(logits, chunks):

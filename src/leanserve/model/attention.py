@@ -24,6 +24,7 @@ kernels do not depend on the number of rows.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,12 +63,18 @@ class DecodeGroup:
     mask: torch.Tensor | None  # [n, blocks * block_size] additive float, 0 or -inf (see DecodeMaskTable)
 
 
+# An extra group costs a fixed ~45 us per layer (its own gather and SDPA call, and its rows'
+# index_select / index_copy_), one row's block of keys ~1.5 us (the default model in bf16, 2
+# threads, here): a split must spare this many row-blocks of keys to pay for itself.
+MIN_SPARED_ROW_BLOCKS = 32
+
+
 def split_decode_rows(seq_lens: np.ndarray, block_size: int) -> list[np.ndarray] | None:
     """Decode rows in two groups, short contexts and long ones, where padding every row to the
-    longest context would compute more than twice the keys the split does (the cut chosen to
-    pad least); None where one group is as good. One 32k-token row among 64 rows of 1.5k
-    otherwise pads all 65 to 32k: 20x the keys, a 64-row step of a small model taking 0.5 s
-    instead of 25 ms, and streaming a gigabyte through the caches on the way."""
+    longest context would gather more than twice the keys of the split that pads least, and at
+    least ``MIN_SPARED_ROW_BLOCKS`` more; None where one group is as good. One 32k-token row
+    among 64 rows of 1.5k otherwise pads all 65 to 32k: 20x the keys, a 64-row step of a small
+    model taking 0.5 s instead of 33 ms, and streaming a gigabyte through the caches."""
     blocks = -(-seq_lens // block_size)
     order = np.argsort(blocks, kind="stable")
     ranked = blocks[order]
@@ -75,11 +82,31 @@ def split_decode_rows(seq_lens: np.ndarray, block_size: int) -> list[np.ndarray]
     if d < 2:
         return None
     short = np.arange(1, d)  # rows in the short group, for each cut
-    keys = short * ranked[:-1] + (d - short) * ranked[-1]
+    keys = short * ranked[:-1] + (d - short) * ranked[-1]  # row-blocks gathered with that cut
     cut = int(np.argmin(keys))
-    if 2 * keys[cut] > d * ranked[-1]:
+    padded = d * ranked[-1]
+    if 2 * keys[cut] >= padded or padded - keys[cut] < MIN_SPARED_ROW_BLOCKS:
         return None
     return [np.sort(order[: cut + 1]), np.sort(order[cut + 1 :])]
+
+
+def decode_groups(block_table: np.ndarray, seq_lens: np.ndarray, block_size: int, masks: "DecodeMaskTable",
+                  to_device: Callable[[np.ndarray], torch.Tensor], mask_lone_row: bool) -> list[DecodeGroup]:
+    """A step's decode rows as :class:`DecodeGroup`s on the device (``to_device``): one group,
+    or the two of :func:`split_decode_rows`, each cut to its own longest context. A lone row
+    goes without a mask unless ``mask_lone_row`` (its keys then sliced to its context: a new
+    shape, and kernel, per length; with a mask they are whole blocks)."""
+    if (parts := split_decode_rows(seq_lens, block_size)) is None:
+        masked = len(seq_lens) > 1 or mask_lone_row
+        mask = masks(to_device(seq_lens), block_table.shape[1] * block_size) if masked else None
+        return [DecodeGroup(None, to_device(block_table), mask)]
+    groups = []
+    for rows in parts:
+        lens = seq_lens[rows]
+        width = int(-(-lens.max() // block_size))
+        groups.append(DecodeGroup(to_device(rows), to_device(block_table[rows, :width]),
+                                  masks(to_device(lens), width * block_size)))
+    return groups
 
 
 @dataclass
@@ -115,6 +142,9 @@ class AttentionMetadata:
         (the caller may pad them with the null block), masked beyond its context."""
         device = slot_mapping.device
         decode_groups = decode_groups or []
+        if any(g.rows is not None and g.mask is None for g in decode_groups):
+            raise ValueError("decode_groups: a group of some of the rows needs a mask (keys are cut to "
+                             "decode_len, the step's longest context, only for a lone row)")
         num_decode = sum(g.block_ids.shape[0] for g in decode_groups)
         chunks = []
         for start, length, context_len, block_ids in prefills:
