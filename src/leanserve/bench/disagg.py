@@ -565,9 +565,9 @@ def main(argv=None) -> None:
                     help="their prompts; their contexts, and the step with them, grow through the run (hence rounds)")
     ap.add_argument("--decoder-max-tokens", type=int, default=8000, help="enough to outlast the measurement")
     ap.add_argument("--long-prompt-len", type=int, default=32_000)
-    ap.add_argument("--long-prompts", type=int, default=128,
+    ap.add_argument("--long-prompts", type=int, default=384,
                     help="long-prompt requests in the stream, over all rounds (and as many again prefill-only)")
-    ap.add_argument("--long-concurrency", type=int, default=1)
+    ap.add_argument("--long-concurrency", type=int, default=4, help="long-prompt requests in flight at once")
     ap.add_argument("--rounds", type=int, default=4,
                     help="quiet window, control stream and stream, round after round, and a last quiet window")
     ap.add_argument("--window", type=int, default=100, help="decode iterations in each quiet window")
