@@ -202,7 +202,8 @@ def build_app(plan: ServerPlan, tokenizer: Tokenizer, api_index: int = 0) -> Fas
     async def iteration_stats(request: Request, since: int | None = None, rows: bool = False):
         """Engine counters and gauges (summed over data-parallel engines, each engine's own under
         ``engines``), the iteration count, and with ``since=<count>`` the p50/p95/p99 of every
-        iteration field recorded after that count (benchmarks read their own window this way);
+        iteration field recorded after that count but the time stamp (benchmarks read their own
+        window this way);
         with ``rows=true`` also the rows themselves, in ``fields`` order (benchmarks that select
         their own iterations), and the latest KV transfer times."""
         s = state(request)
