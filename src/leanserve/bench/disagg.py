@@ -310,10 +310,11 @@ def summarize_segments(rows: np.ndarray, segments: list[Segment], decoders: int)
 
     ratios: dict = {}
     for metric in ("host_step_ms", "loop_work_ms"):
+        # The quiet windows' p99 by where they ran: each stream's quiet level is interpolated from them.
         quiet = [(_position(rows, seg), _p99(rows, seg, decoders, metric)) for seg in by_kind[QUIET]]
-        quiet = np.asarray([q for q in quiet if q[0] == q[0] and q[1] == q[1]]).reshape(-1, 2)
-        during, control = ([_p99(rows, seg, decoders, metric) / np.interp(_position(rows, seg), *quiet.T)
-                            for seg in by_kind[kind]] for kind in (DURING, CONTROL))
+        at, level = np.asarray([q for q in quiet if not np.isnan(q).any()]).reshape(-1, 2).T
+        during = _over_quiet(rows, by_kind[DURING], decoders, metric, at, level)
+        control = _over_quiet(rows, by_kind[CONTROL], decoders, metric, at, level)
         by_round = {"p99 during / quiet": during, "p99 control / quiet": control,
                     "p99 during / control": [d / c for d, c in zip(during, control)]}
         ratios[metric] = {name: _median_of(v) for name, v in by_round.items()}
@@ -325,6 +326,12 @@ def summarize_segments(rows: np.ndarray, segments: list[Segment], decoders: int)
                                                                           splits["during, the others"], "p50")
     out["ratios"] = ratios
     return out
+
+
+def _over_quiet(rows: np.ndarray, streams: list[Segment], decoders: int, metric: str, at: np.ndarray,
+                level: np.ndarray) -> list[float]:
+    """Each stream's p99 over the quiet p99 ``level`` (known at positions ``at``) where it ran."""
+    return [_p99(rows, seg, decoders, metric) / np.interp(_position(rows, seg), at, level) for seg in streams]
 
 
 def _ratio(a: dict, b: dict, pct: str) -> float | None:
