@@ -84,7 +84,7 @@ def forward_ms(model, batch: int, context: int, prefill: int = 0, reps: int = 5)
         pos = torch.full((batch,), context - 1)
         slots = tables[:, (context - 1) // bs] * bs + (context - 1) % bs
         mask = DecodeMaskTable(kv.device)(pos + 1, tables.shape[1] * bs)
-        meta = AttentionMetadata.build(slots, [DecodeGroup(None, tables, mask)], context, [])
+        meta = AttentionMetadata.build(slots, [DecodeGroup(None, tables, mask[:, None, None, :])], context, [])
         args = (torch.randint(0, 40000, (batch,)), pos, kv, meta, None)
     model(*args)
     times = []

@@ -45,13 +45,13 @@ def test_decode_groups_cut_each_groups_table_to_its_longest_context_and_mask_it(
     short, long = decode_groups(table, lens, BLOCK, masks, torch.as_tensor, mask_lone_row=False)
     assert short.rows.tolist() == [0, 2] and short.block_ids.tolist() == table[[0, 2], :3].tolist()
     assert long.rows.tolist() == [1] and long.block_ids.tolist() == table[[1]].tolist()
-    assert short.mask.shape == (2, 48)
-    assert (short.mask[1, 20:] == float("-inf")).all() and (short.mask[1, :20] == 0).all()
-    assert long.mask.shape == (1, 188 * BLOCK)  # one row of a split group keeps its mask: whole blocks
+    assert short.mask.shape == (2, 1, 1, 48)  # shaped for SDPA once, not per layer
+    assert (short.mask[1, 0, 0, 20:] == float("-inf")).all() and (short.mask[1, 0, 0, :20] == 0).all()
+    assert long.mask.shape == (1, 1, 1, 188 * BLOCK)  # one row of a split group keeps its mask: whole blocks
     (alone,) = decode_groups(table[1:2], lens[1:2], BLOCK, masks, torch.as_tensor, mask_lone_row=False)
     assert alone.rows is None and alone.mask is None  # keys sliced to its context instead
     (padded,) = decode_groups(table[1:2], lens[1:2], BLOCK, masks, torch.as_tensor, mask_lone_row=True)
-    assert padded.mask.shape == (1, 188 * BLOCK)
+    assert padded.mask.shape == (1, 1, 1, 188 * BLOCK)
     with pytest.raises(ValueError, match="decode_groups: a group of some of the rows needs a mask"):
         unmasked = DecodeGroup(torch.tensor([0]), long.block_ids, None)
         AttentionMetadata.build(torch.zeros(1, dtype=torch.long), [unmasked], 3000, [])
@@ -86,7 +86,7 @@ def test_decode_rows_of_mixed_lengths_attend_exactly_their_own_contexts(dtype):
         assert (out[d:] == 0).all()
         return out[:d].view(d, HEADS, DIM), kc, vc
 
-    whole = masks(torch.as_tensor(lens), table.shape[1] * BLOCK)
+    whole = masks(torch.as_tensor(lens), table.shape[1] * BLOCK)[:, None, None, :]
     one, kc, vc = attend([DecodeGroup(None, torch.as_tensor(table), whole)])
     groups = decode_groups(table, lens, BLOCK, masks, torch.as_tensor, mask_lone_row=True)
     assert [g.rows.tolist() for g in groups] == [[0, 1, 2, 4, 5, 6], [3]]
