@@ -69,7 +69,7 @@ def gemm_gflops(dtype, quantization: str, m: int, k: int = 576, n: int = 1536, r
 
 
 def forward_ms(model, batch: int, context: int, prefill: int = 0, reps: int = 5) -> float:
-    from leanserve.model.attention import AttentionMetadata, DecodeGroup, DecodeMaskTable
+    from leanserve.model.attention import AttentionMetadata, DecodeMaskTable, decode_groups
 
     cfg, bs = model.config, 16
     per_seq = -(-max(context, prefill) // bs) + 1
@@ -83,8 +83,9 @@ def forward_ms(model, batch: int, context: int, prefill: int = 0, reps: int = 5)
     else:
         pos = torch.full((batch,), context - 1)
         slots = tables[:, (context - 1) // bs] * bs + (context - 1) % bs
-        mask = DecodeMaskTable(kv.device)(pos + 1, tables.shape[1] * bs)
-        meta = AttentionMetadata.build(slots, [DecodeGroup(None, tables, mask[:, None, None, :])], context, [])
+        groups = decode_groups(tables.numpy(), (pos + 1).numpy(), bs, DecodeMaskTable(kv.device), torch.as_tensor,
+                               mask_lone_row=True)
+        meta = AttentionMetadata.build(slots, groups, context, [])
         args = (torch.randint(0, 40000, (batch,)), pos, kv, meta, None)
     model(*args)
     times = []

@@ -54,7 +54,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -67,6 +66,7 @@ import httpx
 import numpy as np
 import torch
 
+from ..engine.endpoints import free_ports
 from ..engine.stats import FIELDS
 from ..model.config import ModelConfig
 from ..model.loader import checkpoint_tensors, default_model_path
@@ -106,12 +106,6 @@ def write_tiny_model(path: str, max_len: int, seed: int = 0) -> str:
 
 
 # ---------------------------------------------------------------------------------- processes
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _pin(pid: int, cpus: set[int], main_cpus: set[int] | None = None) -> None:
@@ -157,7 +151,7 @@ class Process:
     """A ``leanserve`` process on a free loopback port, ready once /health answers 200."""
 
     def __init__(self, args: list[str], cpus: set[int] | None, log_path: str, env: dict[str, str] | None = None):
-        self.port = _free_port()
+        (self.port,) = free_ports("127.0.0.1", 1)
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}  # one torch thread per engine
         self.log = open(log_path, "w")
@@ -237,14 +231,21 @@ class Segment:
     end: float
 
 
-def _in_window(rows: np.ndarray, segments: list[Segment], decoders: int, exactly: bool = True) -> np.ndarray:
-    """Which rows are decode iterations (no prefill chunk) begun in any of ``segments`` with
-    exactly the decoders' rows, or (``exactly`` False) at least those."""
-    gen, began = rows[:, _F["num_generation_requests"]], rows[:, _F["start_time_s"]]
+def _began_in(rows: np.ndarray, segments: list[Segment]) -> np.ndarray:
+    """Which rows are iterations begun in any of ``segments``."""
+    began = rows[:, _F["start_time_s"]]
     inside = np.zeros(len(rows), bool)
     for s in segments:
         inside |= (began >= s.start) & (began < s.end)
-    return inside & ((gen == decoders) if exactly else (gen >= decoders)) & (rows[:, _F["num_context_tokens"]] == 0)
+    return inside
+
+
+def _in_window(rows: np.ndarray, segments: list[Segment], decoders: int, exactly: bool = True) -> np.ndarray:
+    """Which rows are decode iterations (no prefill chunk) begun in any of ``segments`` with
+    exactly the decoders' rows, or (``exactly`` False) at least those."""
+    gen = rows[:, _F["num_generation_requests"]]
+    return (_began_in(rows, segments) & ((gen == decoders) if exactly else (gen >= decoders))
+            & (rows[:, _F["num_context_tokens"]] == 0))
 
 
 def _window(rows: np.ndarray, segments: list[Segment], decoders: int, exactly: bool = True) -> np.ndarray:
@@ -268,8 +269,7 @@ def _p99(rows: np.ndarray, seg: Segment, decoders: int, metric: str) -> float:
 def _position(rows: np.ndarray, seg: Segment) -> float:
     """Where a segment sits in the run, in iterations: the mean index of the rows begun in it.
     The decoders' contexts, and the step with them, grow by the iteration, not by the second."""
-    began = rows[:, _F["start_time_s"]]
-    inside = np.flatnonzero((began >= seg.start) & (began < seg.end))
+    inside = np.flatnonzero(_began_in(rows, [seg]))
     return float(inside.mean()) if len(inside) else np.nan
 
 
@@ -488,11 +488,12 @@ def _router_added_ms(url: str) -> dict | None:
 def run(a, model: str, logs: str, copy_bug: bool, with_latency: bool) -> dict:
     loop_cpus, other_cpus = {min(a.cpus)}, {max(a.cpus)}
     kv = {"kv_connector": "ZmqConnector", "kv_transfer_timeout_s": 60}
+    prefill_kv_port, decode_kv_port = free_ports("127.0.0.1", 2)
     with ExitStack() as stack:
-        prefill = Process(_serve_args(model, a, kv | {"kv_role": "kv_producer", "kv_port": _free_port()}, 8),
+        prefill = Process(_serve_args(model, a, kv | {"kv_role": "kv_producer", "kv_port": prefill_kv_port}, 8),
                           other_cpus, f"{logs}/prefill.log")
         stack.callback(prefill.stop)
-        decode = Process(_serve_args(model, a, kv | {"kv_role": "kv_consumer", "kv_port": _free_port()},
+        decode = Process(_serve_args(model, a, kv | {"kv_role": "kv_consumer", "kv_port": decode_kv_port},
                                      a.decoders + 2 * a.long_concurrency), other_cpus, f"{logs}/decode.log",
                          _copy_bug_env(logs) if copy_bug else None)
         stack.callback(decode.stop)

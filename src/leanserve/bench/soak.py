@@ -34,7 +34,6 @@ import json
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -46,6 +45,7 @@ from urllib.parse import urlparse
 import httpx
 import numpy as np
 
+from ..engine.endpoints import free_ports
 from ..engine.messages import STATS_PERIOD_S
 from .serve import LOOPBACK, percentile_ms, read_stats
 
@@ -365,16 +365,10 @@ def healthy(base_url: str) -> bool:
         return False
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextmanager
 def launched_server(serve_args: str):
     """``leanserve serve <serve_args>`` on a free loopback port: yields (base URL, pid), then SIGTERM."""
-    port = _free_port()
+    (port,) = free_ports("127.0.0.1", 1)
     cmd = [sys.executable, "-m", "leanserve.cli", "serve", *shlex.split(serve_args), "--host", "127.0.0.1",
            "--port", str(port)]
     proc = subprocess.Popen(cmd, stdout=2)  # the server's output to our stderr: stdout is the report's
