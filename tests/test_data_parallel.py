@@ -103,7 +103,7 @@ def test_a_dead_engine_fails_only_its_requests_and_leaves_the_rotation(tiny_chat
                 os.kill(s.engine_pids()[0], signal.SIGKILL)
                 # One stream ends with the error (its engine died); the other keeps streaming.
                 ends = await asyncio.gather(*(_until_error_or(it, 3.0) for it in lines))
-                assert sorted(ends) == ["error", "streaming"], (ends, httpx.get(s.url + "/stats").json())
+                assert _kinds(ends) == ["error", "streaming"], (ends, s.log_text()[-3000:])
                 health = await c.get("/health")
                 assert health.status_code == 503 and "degraded: 1 of 2 engines down" in health.json()["error"]["message"]
                 # New requests all go to the engine that is left, and succeed.
@@ -118,15 +118,19 @@ def test_a_dead_engine_fails_only_its_requests_and_leaves_the_rotation(tiny_chat
         s.stop()
 
 
-async def _until_error_or(lines, seconds: float) -> str:
-    """"error" if the stream carries an error event within ``seconds``, else "streaming" (it kept
-    sending tokens all that time)."""
+async def _until_error_or(lines, seconds: float) -> tuple[str, str]:
+    """("error", its event) if the stream carries an error event within ``seconds``, else
+    ("streaming", "") (it kept sending tokens all that time)."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         line = await anext(lines)
         if line.startswith("data: ") and '"error"' in line:
-            return "error"
-    return "streaming"
+            return "error", line
+    return "streaming", ""
+
+
+def _kinds(ends: list[tuple[str, str]]) -> list[str]:
+    return sorted(kind for kind, _ in ends)
 
 
 def test_ray_without_a_cluster_is_one_line(tiny_chat_model):
@@ -202,7 +206,8 @@ def test_a_dead_ray_engine_fails_only_its_requests_and_the_rest_end_with_the_lau
 
                 os.kill(engines[0], signal.SIGKILL)
                 ends = sorted(await asyncio.gather(*(end(it) for it in lines)))
-                assert [e for e, _ in ends] == ["error", "streaming"], ends
+                # The log says why an engine ended (a second end once came 2 s after the kill, in CI only).
+                assert _kinds([e for e, _ in ends]) == ["error", "streaming"], (ends, s.log_text()[-3000:])
                 assert ends[0][1] < 2.0, ends  # ~0.1 s here: Ray's notice, then LAST_WORDS_S
                 health = await c.get("/health")
                 assert health.status_code == 503
