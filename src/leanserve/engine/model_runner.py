@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from ..model.attention import AttentionMetadata, DecodeMaskTable, bucket, decode_groups
+from ..model.prepack import prepack_linears
 from ..model.transformer import Transformer
 from .batch_state import BatchState, blocks_needed
 from .kv_cache import KVCache
@@ -174,6 +175,7 @@ class ModelRunner:
         self.grammar_bitmask = grammar_bitmask
         self.kv = kv_cache
         self.device = torch.device(device)
+        prepack_linears(model, self.device)  # bf16 on the CPU: weights in the GEMM's layout, once
         self.sampler = Sampler(self.device, seed)
         self.decode_masks = DecodeMaskTable(self.device, dtype=model.embed_tokens.weight.dtype)
         # Bounded shapes (see model/attention.py): the step's token rows, the rows reaching the
