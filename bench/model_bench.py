@@ -46,10 +46,11 @@ def rss_mb() -> float:
 
 
 def gemm_gflops(dtype, quantization: str, m: int, k: int = 576, n: int = 1536, reps: int = 30) -> float:
-    """The model's own GEMM: an [out, in] weight as the model holds it (F.linear's kernel path
-    differs from a @ b; with int8, SmallBatchInt8Linear's int8 kernel at every row count; with
-    gguf, Int4Linear's)."""
+    """The model's own GEMM: an [out, in] weight as the engine holds it (F.linear, or packed for
+    oneDNN where the runner packs it; either differs from a @ b; with int8,
+    SmallBatchInt8Linear's int8 kernel at every row count; with gguf, Int4Linear's)."""
     from leanserve.model.int4 import GROUP, Int4Linear
+    from leanserve.model.prepack import prepack_linears
     from leanserve.model.quant import SmallBatchInt8Linear
 
     x = torch.randn(m, k, dtype=dtype)
@@ -59,6 +60,9 @@ def gemm_gflops(dtype, quantization: str, m: int, k: int = 576, n: int = 1536, r
     elif quantization == "gguf":
         codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
         lin = Int4Linear(codes, torch.rand(n, k // GROUP) / 8, torch.zeros(n, k // GROUP), dtype)
+    else:
+        lin = torch.nn.Sequential(lin)
+        prepack_linears(lin, torch.device("cpu"))
     with torch.inference_mode():
         for _ in range(5):
             lin(x)
@@ -163,6 +167,7 @@ def engine_decode(model, batch: int, tokenizer) -> dict:
 def run_one(variant: str) -> dict:
     """``variant``: a dtype, optionally ``+int8`` or ``+gguf`` (``--quantization``)."""
     from leanserve.model import ModelSpec, default_model_path, load_model
+    from leanserve.model.prepack import prepack_linears
     from leanserve.tokenizer import Tokenizer
 
     dtype, _, quantization = variant.partition("+")
@@ -171,6 +176,7 @@ def run_one(variant: str) -> dict:
     before = rss_mb()
     t = time.perf_counter()
     model = load_model(ModelSpec.resolve(None, dtype, quantization=quantization))
+    prepack_linears(model, torch.device("cpu"))  # as the engine's runner does, before its first step
     load_s = time.perf_counter() - t
     res = {"dtype": variant, "load_s": load_s, "rss_mb": rss_mb(), "rss_before_mb": before}
     tdtype = model.norm.weight.dtype
