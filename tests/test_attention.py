@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from leanserve.model.attention import (AttentionMetadata, DecodeGroup, DecodeMaskTable,
+from leanserve.model.attention import (AttentionMetadata, DecodeGroup, DecodeMaskTable, GatherScratch,
                                       decode_groups, paged_attention, split_decode_rows)
 
 BLOCK, KV_HEADS, HEADS, DIM = 16, 2, 6, 32
@@ -75,11 +75,12 @@ def test_decode_rows_of_mixed_lengths_attend_exactly_their_own_contexts(dtype):
     v_new = torch.randn(d, KV_HEADS, DIM, generator=g).to(dtype)
     slots = torch.as_tensor(table[np.arange(d), (lens - 1) // BLOCK] * BLOCK + (lens - 1) % BLOCK)
     masks = DecodeMaskTable("cpu", dtype=dtype)
+    scratch = GatherScratch()  # shared by the steps below, as the model runner shares its own
 
     def attend(groups, padding_rows=0):
         """Through paged_attention, with ``padding_rows`` after the decode rows (a padded step)."""
         kc, vc = k_cache.clone(), v_cache.clone()
-        meta = AttentionMetadata.build(slots, groups, int(lens.max()), [])
+        meta = AttentionMetadata.build(slots, groups, int(lens.max()), [], scratch=scratch)
         pad = torch.zeros(padding_rows, *q.shape[1:], dtype=dtype)
         out = paged_attention(torch.cat((q, pad)), torch.cat((k_new, pad[:, :KV_HEADS])),
                               torch.cat((v_new, pad[:, :KV_HEADS])), kc, vc, meta, DIM ** -0.5)
@@ -100,3 +101,23 @@ def test_decode_rows_of_mixed_lengths_attend_exactly_their_own_contexts(dtype):
     tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(one.float(), want, **tol)
     torch.testing.assert_close(split.float(), want, **tol)
+
+
+def test_gather_scratch_copies_blocks_into_buffers_it_reuses_and_grows_only_when_a_step_needs_more():
+    g = torch.Generator().manual_seed(0)
+    cache = torch.randn(40, BLOCK, KV_HEADS, DIM, generator=g)
+    scratch = GatherScratch()
+    ids = torch.tensor([[3, 7, 1], [9, 2, 30]])
+    keys = scratch.gather(cache, ids, 0)
+    assert keys.shape == (2, 3 * BLOCK, KV_HEADS, DIM)
+    assert torch.equal(keys, cache[ids].flatten(1, 2))
+    values = scratch.gather(cache, ids[:, :2], 1)  # values have a buffer of their own
+    assert torch.equal(keys, cache[ids].flatten(1, 2)) and torch.equal(values, cache[ids[:, :2]].flatten(1, 2))
+    smaller = scratch.gather(cache, ids[:1], 0)
+    assert smaller.data_ptr() == keys.data_ptr() and torch.equal(smaller, cache[ids[:1]].flatten(1, 2))
+    larger = scratch.gather(cache, torch.arange(1, 40).view(3, 13), 0)  # more than the buffer holds
+    assert torch.equal(larger, cache[1:40].reshape(3, 13 * BLOCK, KV_HEADS, DIM))
+    again = scratch.gather(cache, ids, 0)  # the grown buffer serves the smaller step again
+    assert again.data_ptr() == larger.data_ptr() and torch.equal(again, cache[ids].flatten(1, 2))
+    half = scratch.gather(cache.to(torch.bfloat16), ids, 0)  # another dtype: a buffer of that dtype
+    assert half.dtype == torch.bfloat16 and torch.equal(half, cache.to(torch.bfloat16)[ids].flatten(1, 2))

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..model.attention import AttentionMetadata, DecodeMaskTable, bucket, decode_groups
+from ..model.attention import AttentionMetadata, DecodeMaskTable, GatherScratch, bucket, decode_groups
 from ..model.prepack import prepack_linears
 from ..model.transformer import Transformer
 from .batch_state import BatchState, blocks_needed
@@ -176,6 +176,7 @@ class ModelRunner:
         self.kv = kv_cache
         self.device = torch.device(device)
         prepack_linears(model, self.device)  # bf16 on the CPU: weights in the GEMM's layout, once
+        self.gather_scratch = GatherScratch()  # every step's layers gather keys and values into it
         self.sampler = Sampler(self.device, seed)
         self.decode_masks = DecodeMaskTable(self.device, dtype=model.embed_tokens.weight.dtype)
         # Bounded shapes (see model/attention.py): the step's token rows, the rows reaching the
@@ -242,6 +243,7 @@ class ModelRunner:
             int(inp.decode_seq_lens.max()) if num_decode else 0,
             [(start, n, ctx, self._t(blocks)) for start, n, ctx, blocks in prefills],
             bs if pad else None,
+            self.gather_scratch,
         )
         rows = inp.logits_indices
         extra = [np.arange(r0, r0 + len(t)) for _, r0, t, _ in inp.prompt_logprob_rows]
