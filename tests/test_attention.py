@@ -108,16 +108,53 @@ def test_gather_scratch_copies_blocks_into_buffers_it_reuses_and_grows_only_when
     cache = torch.randn(40, BLOCK, KV_HEADS, DIM, generator=g)
     scratch = GatherScratch()
     ids = torch.tensor([[3, 7, 1], [9, 2, 30]])
-    keys = scratch.gather(cache, ids, 0)
+    keys = scratch.gather(cache, ids, GatherScratch.KEYS)
     assert keys.shape == (2, 3 * BLOCK, KV_HEADS, DIM)
     assert torch.equal(keys, cache[ids].flatten(1, 2))
-    values = scratch.gather(cache, ids[:, :2], 1)  # values have a buffer of their own
+    values = scratch.gather(cache, ids[:, :2], GatherScratch.VALUES)  # a buffer of their own
     assert torch.equal(keys, cache[ids].flatten(1, 2)) and torch.equal(values, cache[ids[:, :2]].flatten(1, 2))
-    smaller = scratch.gather(cache, ids[:1], 0)
+    smaller = scratch.gather(cache, ids[:1], GatherScratch.KEYS)
     assert smaller.data_ptr() == keys.data_ptr() and torch.equal(smaller, cache[ids[:1]].flatten(1, 2))
-    larger = scratch.gather(cache, torch.arange(1, 40).view(3, 13), 0)  # more than the buffer holds
+    larger = scratch.gather(cache, torch.arange(1, 40).view(3, 13), GatherScratch.KEYS)  # more than it holds
     assert torch.equal(larger, cache[1:40].reshape(3, 13 * BLOCK, KV_HEADS, DIM))
-    again = scratch.gather(cache, ids, 0)  # the grown buffer serves the smaller step again
+    again = scratch.gather(cache, ids, GatherScratch.KEYS)  # the grown buffer serves a smaller step
     assert again.data_ptr() == larger.data_ptr() and torch.equal(again, cache[ids].flatten(1, 2))
-    half = scratch.gather(cache.to(torch.bfloat16), ids, 0)  # another dtype: a buffer of that dtype
+    half = scratch.gather(cache.to(torch.bfloat16), ids, GatherScratch.KEYS)  # another dtype: a new buffer
     assert half.dtype == torch.bfloat16 and torch.equal(half, cache.to(torch.bfloat16)[ids].flatten(1, 2))
+
+
+def test_a_step_of_two_decode_groups_and_a_prefill_chunk_shares_the_scratch_without_overwriting_a_gather():
+    """Both decode groups and a chunk with context gather into the same two buffers, one after
+    another: the step's outputs equal those of its parts run as steps of their own."""
+    g = torch.Generator().manual_seed(1)
+    lens = np.array([37, 300, 16, 2000, 45])  # two decode groups
+    chunk, context = 40, 240  # a prompt's second chunk: 200 tokens cached, 40 new
+    blocks = np.append(-(-lens // BLOCK), -(-context // BLOCK))
+    num_blocks = int(blocks.sum()) + 1
+    k_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, DIM, generator=g)
+    v_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, DIM, generator=g)
+    ids = torch.split(torch.randperm(num_blocks - 1, generator=g) + 1, blocks.tolist())
+    table = np.zeros((len(lens), blocks[:-1].max()), np.int64)
+    for r in range(len(lens)):
+        table[r, : blocks[r]] = ids[r]
+    chunk_ids = ids[-1]
+    d = len(lens)
+    q = torch.randn(d + chunk, HEADS, DIM, generator=g)
+    k = torch.randn(d + chunk, KV_HEADS, DIM, generator=g)
+    v = torch.randn(d + chunk, KV_HEADS, DIM, generator=g)
+    positions = torch.arange(context - chunk, context)
+    slots = torch.cat((torch.as_tensor(table[np.arange(d), (lens - 1) // BLOCK] * BLOCK + (lens - 1) % BLOCK),
+                       chunk_ids[positions // BLOCK] * BLOCK + positions % BLOCK))
+    masks = DecodeMaskTable("cpu")
+    scratch = GatherScratch()
+
+    def step(rows, groups, prefills):
+        meta = AttentionMetadata.build(slots[rows], groups, int(lens.max()), prefills, scratch=scratch)
+        return paged_attention(q[rows], k[rows], v[rows], k_cache.clone(), v_cache.clone(), meta, DIM ** -0.5)
+
+    groups = decode_groups(table, lens, BLOCK, masks, torch.as_tensor, mask_lone_row=True)
+    assert len(groups) == 2
+    both = step(slice(None), groups, [(d, chunk, context, chunk_ids)])
+    decode_only = step(slice(0, d), groups, [])
+    chunk_only = step(slice(d, None), None, [(0, chunk, context, chunk_ids)])
+    assert torch.equal(both[:d], decode_only) and torch.equal(both[d:], chunk_only)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 
 import numpy as np
@@ -13,6 +14,7 @@ from leanserve.engine.config import EngineConfig
 from leanserve.model import ModelSpec, load_model
 from leanserve.model.attention import AttentionMetadata
 from leanserve.model.quant import SmallBatchInt8Linear
+from leanserve.model.transformer import _rotate
 
 from .conftest import ARCHS
 
@@ -68,6 +70,28 @@ def test_default_model_greedy_matches_transformers(default_model, default_tokeni
         outs = llm.generate(prompts, GREEDY)
     for ids, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == hf_greedy(smollm_reference, ids.tolist())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_embedding_is_transformers_bit_for_bit(default_model, smollm_reference, dtype):
+    """Our rotary tables and rotation against transformers' own, from the same frequencies: ours
+    are computed in float64 and rounded once, transformers' in float32, so they differ in the
+    last bit (the logits tests cover that difference)."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    ours = load_model(ModelSpec.resolve(default_model, "float32"))
+    cfg, n = ours.config, 300
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(n, cfg.num_heads, cfg.head_dim, generator=g).to(dtype)
+    k = torch.randn(n, cfg.num_kv_heads, cfg.head_dim, generator=g).to(dtype)
+    positions = torch.randperm(4096, generator=g)[:n]
+    cos, sin = ours._rope(positions, dtype)
+    got = _rotate(torch.cat((q, k), dim=1), cos, sin)
+    rotary = copy.deepcopy(smollm_reference.model.rotary_emb)
+    rotary.inv_freq = ours.inv_freq.clone()
+    ref_cos, ref_sin = rotary(q, positions[None])  # [1, T, D], in q's dtype
+    want_q, want_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], ref_cos, ref_sin)
+    assert torch.equal(got, torch.cat((want_q[0].transpose(0, 1), want_k[0].transpose(0, 1)), dim=1))
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -125,16 +125,22 @@ class GatherScratch:
     a decode step of the default model over 64 x 1,024 tokens took 373k page faults and ~1,020
     ms, most of it system time; with the buffers reused, no fault and ~500 ms (64 x 2,048:
     ~2,000 -> ~900 ms; short contexts unchanged: the same memory came back from malloc's free
-    lists). A gathered tensor is valid until the next gather into the same buffer; attention
-    consumes it before that."""
+    lists). A gathered tensor is valid until the next gather into the same buffer: each call
+    site hands it to SDPA before gathering again, and nothing keeps it across calls.
+
+    The buffers hold what the largest step so far needed (64 rows of 8,192 tokens of the default
+    model in bf16: ~400 MB for both), for good: before, that was a peak of every such step; the
+    KV cache's memory plan does not count it."""
+
+    KEYS, VALUES = 0, 1  # which buffer a gather fills
 
     def __init__(self):
-        self._buffers: list[torch.Tensor | None] = [None, None]  # keys, values
+        self._buffers: list[torch.Tensor | None] = [None, None]  # KEYS, VALUES
 
     def gather(self, cache: torch.Tensor, block_ids: torch.Tensor, which: int) -> torch.Tensor:
         """[num_blocks, block_size, KVH, D] at [S, n] block ids -> [S, n * block_size, KVH, D],
-        in buffer ``which`` (0: keys, 1: values). index_select copies block rows with memcpy;
-        advanced indexing (``cache[ids]``) goes element by element, ~3x slower."""
+        in buffer ``which`` (:attr:`KEYS` or :attr:`VALUES`). index_select copies block rows
+        with memcpy; advanced indexing (``cache[ids]``) goes element by element, ~3x slower."""
         s, n = block_ids.shape
         rows = (s * n, *cache.shape[1:])
         size = math.prod(rows)
@@ -198,7 +204,8 @@ class AttentionMetadata:
             q_pos = torch.arange(context_len - length, context_len - length + q_len, device=device)
             mask = torch.arange(kv_len, device=device)[None, :] <= q_pos[:, None]
             chunks.append(PrefillChunk(start, length, context_len, block_ids, mask, q_len, kv_len))
-        return cls(slot_mapping, num_decode, decode_groups, decode_len, chunks, scratch or GatherScratch())
+        return cls(slot_mapping, num_decode, decode_groups, decode_len, chunks,
+                   scratch if scratch is not None else GatherScratch())
 
 
 class DecodeMaskTable:
@@ -267,8 +274,9 @@ def paged_attention(
             o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
             kv_len = c.kv_len or c.context_len
-            kc = meta.scratch.gather(k_cache, c.block_ids[None], 0)[:, :kv_len].transpose(1, 2)
-            vc = meta.scratch.gather(v_cache, c.block_ids[None], 1)[:, :kv_len].transpose(1, 2)
+            # Views of the scratch buffers: consumed by this SDPA call, before the next gather.
+            kc = meta.scratch.gather(k_cache, c.block_ids[None], GatherScratch.KEYS)[:, :kv_len].transpose(1, 2)
+            vc = meta.scratch.gather(v_cache, c.block_ids[None], GatherScratch.VALUES)[:, :kv_len].transpose(1, 2)
             o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=c.mask, scale=scale, enable_gqa=gqa)
         out[c.start : c.start + c.length] = o[0, :, : c.length].transpose(0, 1)
     return out.flatten(1)
@@ -302,9 +310,10 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     """
     n, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
-    # Whole blocks: [n, blocks * block_size, KVH, Dh] -> [n, KVH, L, Dh].
-    keys = meta.scratch.gather(k_cache, group.block_ids, 0).transpose(1, 2)
-    values = meta.scratch.gather(v_cache, group.block_ids, 1).transpose(1, 2)
+    # Whole blocks: [n, blocks * block_size, KVH, Dh] -> [n, KVH, L, Dh]. Views of the scratch
+    # buffers: consumed by the SDPA call below, before another group or chunk gathers.
+    keys = meta.scratch.gather(k_cache, group.block_ids, GatherScratch.KEYS).transpose(1, 2)
+    values = meta.scratch.gather(v_cache, group.block_ids, GatherScratch.VALUES).transpose(1, 2)
     qg = q.view(n, kv_heads, num_heads // kv_heads, head_dim)
     if group.mask is None:  # a lone sequence without a mask: keys sliced to its context
         keys, values = keys[:, :, : meta.decode_len], values[:, :, : meta.decode_len]
