@@ -20,7 +20,7 @@ import time
 import torch
 
 from leanserve.model.int4 import Int4Linear
-from leanserve.model.quant import SmallBatchInt8Linear
+from leanserve.model.quant import Int8Linear
 
 # SmolLM2-135M: (name, in, out); q/k/v and gate/up are fused as the model holds them.
 SHAPES = (("qkv", 576, 960), ("gate_up", 576, 3072), ("down", 1536, 576), ("o_proj", 576, 576),
@@ -39,7 +39,7 @@ def variants(k: int, n: int) -> dict:
     # computing on a Q8_0 weight (the default model's head) exactly with this kernel would cost.
     planes = Int4Linear(codes, scale, 0 * scale, torch.bfloat16)
     return {"bf16": (lin, torch.bfloat16), "int4": (Int4Linear(*one, torch.bfloat16), torch.bfloat16),
-            "int8": (SmallBatchInt8Linear(lin, max_rows=1 << 30), torch.bfloat16),
+            "int8": (Int8Linear(lin), torch.bfloat16),
             "q8 as 2x int4": (lambda x: planes(x.repeat(1, 2)), torch.bfloat16),
             "fp32": (torch.nn.Linear(k, n, bias=False), torch.float32),
             "int4 fp32-act": (Int4Linear(*one, torch.float32), torch.float32)}

@@ -47,16 +47,16 @@ def rss_mb() -> float:
 
 def gemm_gflops(dtype, quantization: str, m: int, k: int = 576, n: int = 1536, reps: int = 30) -> float:
     """The model's own GEMM: an [out, in] weight as the engine holds it (F.linear, or packed for
-    oneDNN where the runner packs it; either differs from a @ b; with int8,
-    SmallBatchInt8Linear's int8 kernel at every row count; with gguf, Int4Linear's)."""
+    oneDNN where the runner packs it; either differs from a @ b; with int8, Int8Linear's; with
+    gguf, Int4Linear's)."""
     from leanserve.model.int4 import GROUP, Int4Linear
     from leanserve.model.prepack import prepack_linears
-    from leanserve.model.quant import SmallBatchInt8Linear
+    from leanserve.model.quant import Int8Linear
 
     x = torch.randn(m, k, dtype=dtype)
     lin = torch.nn.Linear(k, n, bias=False, dtype=dtype)
     if quantization == "int8":
-        lin = SmallBatchInt8Linear(lin, max_rows=1 << 30)
+        lin = Int8Linear(lin)
     elif quantization == "gguf":
         codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
         lin = Int4Linear(codes, torch.rand(n, k // GROUP) / 8, torch.zeros(n, k // GROUP), dtype)
@@ -267,8 +267,8 @@ def markdown(results: list[dict]) -> str:
         lc = r["long_context"]
         out.append(f"| {r['dtype']} | {lc['kv_mb']:.0f} | {lc['bandwidth_gbs']:.1f} | {lc['bound_ms']:.0f} | "
                    f"{lc['step_ms']:.0f} | {lc['step_over_bound']:.1f} |")
-    out += ["", "GEMM rate (M x 576 -> 1536; for +int8 the int8 kernel at every M, though the model uses it only "
-            "up to 4 rows; for +gguf the int4 kernel) and the compute ceiling it implies for the model's weights "
+    out += ["", "GEMM rate (M x 576 -> 1536; for +int8 the int8 kernel, for +gguf the int4 kernel, at every M) "
+            "and the compute ceiling it implies for the model's weights "
             f"({results[0]['gflop_per_token']:.2f} GFLOP/token):", "",
             "| dtype | M=1 | 8 | 32 | 128 | 512 GFLOP/s | ceiling tok/s at M=128 |", "|---|---|---|---|---|---|---|"]
     for r in results:

@@ -45,7 +45,7 @@ class EngineConfig:
     model: str | None = None  # GGUF file or HF directory; None = the default SmolLM2 package
     dtype: str = "auto"  # bfloat16 where the hardware has it, else float32
     device: str = "cpu"
-    quantization: str = "none"  # "int8": int8 weight copies for steps of a few rows (model/quant.py)
+    quantization: str = "none"  # "int8": int8 linear weights (model/quant.py)
     max_model_len: int | None = None  # None: the model's context length
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None  # None: default_max_num_batched_tokens(device, max_num_seqs)

@@ -112,8 +112,8 @@ class ModelSpec:
 def load_model(spec: ModelSpec, tp: TensorParallel | None = None, device: str | None = None) -> Transformer:
     """Builds the model ``spec`` names, or with ``tp`` the share of it that rank holds (read from
     the same file, only that share), on ``device`` (default: the spec's). ``quantization``:
-    ``none`` keeps the checkpoint's values in ``dtype``; ``int8`` adds int8 copies of the linear
-    weights for steps of a few rows (see :mod:`.quant`); ``gguf`` computes a GGUF file's
+    ``none`` keeps the checkpoint's values in ``dtype``; ``int8`` replaces the linear weights by
+    int8 ones at every row count (see :mod:`.quant`); ``gguf`` computes a GGUF file's
     Q4_0/Q4_1 linear layers on their 4-bit blocks (see :mod:`.int4`)."""
     tp, device = tp or TensorParallel(), device or spec.device
     if spec.is_gguf:
