@@ -9,13 +9,12 @@ import pytest
 import torch
 from torch import nn
 
-from leanserve import LLM, SamplingParams
 from leanserve.engine.config import EngineConfig
 from leanserve.model import ModelSpec, int4, load_model
 from leanserve.model.int4 import Int4Linear, gguf_q4
 
 from .gguf_util import tiny_llama, write_llama_gguf
-from .test_model import dense_logits
+from .test_model import assert_greedy_alone_equals_in_a_batch_of_16, dense_logits
 
 Q4 = (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1)
 
@@ -98,12 +97,7 @@ def test_float_weights_stay_the_default(tiny_q4):
 
 
 def test_greedy_is_the_same_alone_and_in_a_batch_of_16(tiny_q4):
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(3, 49000, size=n).astype(np.int32) for n in [3, 40, 17, 64, 1, 90, 33, 8] * 2]
-    p = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    with LLM(tiny_q4, dtype="bfloat16", quantization="gguf", kv_cache_memory=16 << 20, max_num_seqs=16) as llm:
-        together = [o.outputs[0].token_ids for o in llm.generate(prompts, p)]
-        assert together == [llm.generate([x], p)[0].outputs[0].token_ids for x in prompts]
+    assert_greedy_alone_equals_in_a_batch_of_16(tiny_q4, "gguf")
 
 
 def test_bad_combinations_name_the_field(tiny_q4, tiny_model_dir):
