@@ -322,7 +322,7 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     n, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     qg = q.view(n, kv_heads, num_heads // kv_heads, head_dim)
-    row_bytes = 2 * group.block_ids.shape[1] * k_cache[0].numel() * k_cache.element_size()
+    row_bytes = 2 * group.block_ids.shape[1] * math.prod(k_cache.shape[1:]) * k_cache.element_size()
     rows = max(1, DECODE_CHUNK_BYTES // row_bytes)  # rows per chunk (see DECODE_CHUNK_BYTES)
     if rows >= n:
         return _attend_rows(qg, k_cache, v_cache, group.block_ids, group.mask, meta, scale).reshape(q.shape)
