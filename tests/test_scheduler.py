@@ -136,8 +136,8 @@ def test_chunked_prefill_splits_a_long_prompt_by_the_budget_while_decodes_contin
 
 def test_default_budget_is_per_device_and_the_flag_overrides_it():
     parse = build_parser().parse_args
-    assert default_max_num_batched_tokens("cpu", 64) == 64 + CPU_PREFILL_CHUNK == 512
-    assert _engine_config(parse(["serve"])).max_num_batched_tokens == 512
+    assert default_max_num_batched_tokens("cpu", 64) == 64 + CPU_PREFILL_CHUNK == 320
+    assert _engine_config(parse(["serve"])).max_num_batched_tokens == 320
     assert _engine_config(parse(["serve", "--max-num-seqs", "128"])).max_num_batched_tokens == 128 + CPU_PREFILL_CHUNK
     assert _engine_config(parse(["serve", "--device", "cuda"])).max_num_batched_tokens == 2048
     assert _engine_config(parse(["serve", "--device", "cuda:1", "--max-num-seqs", "4096"])).max_num_batched_tokens \
@@ -157,11 +157,12 @@ def test_cpu_default_budget_decodes_every_row_beside_a_full_chunk(max_num_seqs):
     for req in decoders:
         sched.add(req)
     assert step(sched).prefill == [(r.request_id, 0, 3) for r in decoders]
-    sched.add(make_request(999, 1500))
     chunk = CPU_PREFILL_CHUNK + 1
+    prompt_len = 3 * chunk + 100
+    sched.add(make_request(999, prompt_len))
     plans = [step(sched) for _ in range(4)]
     assert [p.prefill for p in plans] == [[(999, 0, chunk)], [(999, chunk, chunk)], [(999, 2 * chunk, chunk)],
-                                          [(999, 3 * chunk, 1500 - 3 * chunk)]]
+                                          [(999, 3 * chunk, 100)]]
     assert all(p.decode == ids(decoders) for p in plans)
 
 

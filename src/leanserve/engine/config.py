@@ -22,18 +22,21 @@ BACKENDS = ("mp", "ray")
 BACKEND_FLAG = "distributed_executor_backend (--distributed-executor-backend)"
 
 # The prefill chunk a CPU step carries beside its decode rows when --max-num-batched-tokens is not
-# given (bench/results/chunk_budget.md, 2-core AMX VM, default model): a CPU step's time grows with
-# its tokens, so a chunk holds every decode row for as long as it takes (a 1,984-token chunk: 7x
-# a 64-row decode step); from ~450 tokens on a chunk's rate no longer grows (~1,700 tokens/s per
-# core at 448, 1,984 or 960 tokens, 1,590 at 192, 1,190 at 64), so a larger chunk only stalls.
-CPU_PREFILL_CHUNK = 448
+# given. A CPU step's time grows with its tokens, so a chunk holds every decode row beside it for as
+# long as it takes, while a chunk's own rate stops growing early: on the 2-core Xeon with AMX
+# (bench/results/chunk_budget.md) at ~450 tokens, within 7 % of that from 192; on the 2-core AMD
+# EPYC without AMX (chunk_budget_epyc.md) already at 192. 256 is the largest chunk that keeps a
+# 64-row decode step's inter-token latency p99 within 3x its p50 on the host without AMX, served
+# at concurrency 64 (2.63 at 128-token prompts, 2.12 at 1,024; 448 gave 4.38 and 2.23), for no
+# output tok/s lost beyond the runs' noise (+-5 %) and a first token ~0.2-0.5 s later at p50.
+CPU_PREFILL_CHUNK = 256
 # A GPU step costs about the same up to thousands of tokens: vLLM's API-server default there.
 ACCELERATOR_BATCHED_TOKENS = 2048
 
 
 def default_max_num_batched_tokens(device: str, max_num_seqs: int) -> int:
     """The token budget of a step unless set: on a CPU every running request's decode row plus
-    one chunk (512 at the default 64 sequences), so neither starves the other; elsewhere 2048,
+    one chunk (320 at the default 64 sequences), so neither starves the other; elsewhere 2048,
     or ``max_num_seqs`` where that is more."""
     if device.startswith("cpu"):
         return max_num_seqs + CPU_PREFILL_CHUNK
