@@ -103,7 +103,7 @@ def test_a_dead_engine_fails_only_its_requests_and_leaves_the_rotation(tiny_chat
                 os.kill(s.engine_pids()[0], signal.SIGKILL)
                 # One stream ends with the error (its engine died); the other keeps streaming.
                 ends = await asyncio.gather(*(_until_error_or(it, 3.0) for it in lines))
-                assert _kinds(ends) == ["error", "streaming"], (ends, s.log_text()[-3000:])
+                assert _kinds(ends) == ["error", "streaming"], _ends_report(ends, s)
                 health = await c.get("/health")
                 assert health.status_code == 503 and "degraded: 1 of 2 engines down" in health.json()["error"]["message"]
                 # New requests all go to the engine that is left, and succeed.
@@ -131,6 +131,13 @@ async def _until_error_or(lines, seconds: float) -> tuple[str, str]:
 
 def _kinds(ends: list[tuple[str, str]]) -> list[str]:
     return sorted(kind for kind, _ in ends)
+
+
+def _ends_report(ends: list, server: LiveServer) -> str:
+    """A failure message shown whole (pytest shortens the repr of a tuple, not a string): how each
+    stream ended and the tail of the server's log."""
+    return "\n".join(f"stream {i}: {end}" for i, end in enumerate(ends)) + "\n--- server log ---\n" + \
+        server.log_text()[-3000:]
 
 
 def test_ray_without_a_cluster_is_one_line(tiny_chat_model):
@@ -207,7 +214,7 @@ def test_a_dead_ray_engine_fails_only_its_requests_and_the_rest_end_with_the_lau
                 os.kill(engines[0], signal.SIGKILL)
                 ends = sorted(await asyncio.gather(*(end(it) for it in lines)))
                 # The log says why an engine ended (a second end once came 2 s after the kill, in CI only).
-                assert _kinds([e for e, _ in ends]) == ["error", "streaming"], (ends, s.log_text()[-3000:])
+                assert _kinds([e for e, _ in ends]) == ["error", "streaming"], _ends_report(ends, s)
                 assert ends[0][1] < 2.0, ends  # ~0.1 s here: Ray's notice, then LAST_WORDS_S
                 health = await c.get("/health")
                 assert health.status_code == 503
