@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -12,6 +13,12 @@ import tempfile
 import time
 
 import httpx
+
+
+def is_error_event(line: str) -> bool:
+    """Whether an SSE line is an error event: an object with an "error" key. (A substring test
+    is not enough: the tiny random models generate the token "error" now and then.)"""
+    return line.startswith("data: {") and "error" in json.loads(line[len("data: "):])
 
 
 def free_port() -> int:

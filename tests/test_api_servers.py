@@ -19,7 +19,7 @@ import pytest
 
 from leanserve.engine.messages import CLIENT_ID_SHIFT, ENGINE_ID_SHIFT, MAX_CLIENTS
 
-from .server_util import LiveServer, free_port
+from .server_util import LiveServer, free_port, is_error_event
 from .test_data_parallel import PROMPTS, completions
 from .test_router import metric, wait_for
 
@@ -173,7 +173,7 @@ def test_a_killed_engine_fails_in_flight_requests_in_every_api_process(tiny_chat
                 t0 = time.monotonic()
                 for it in lines:
                     async for line in it:
-                        if '"error"' in line:
+                        if is_error_event(line):
                             assert "engine process died" in line
                             break
                     else:

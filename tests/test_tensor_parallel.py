@@ -32,7 +32,7 @@ from leanserve.model.attention import AttentionMetadata
 from leanserve.model.parallel import TensorParallel
 
 from .gguf_util import tiny_llama, write_llama_gguf
-from .server_util import LiveServer
+from .server_util import LiveServer, is_error_event
 from .test_checkpoints import ALL_TYPES
 from .test_engine import assert_same_greedy, prompts_of
 from .test_int4 import write_tiny_q4
@@ -433,7 +433,7 @@ def test_live_server_at_tp2_matches_tp1_and_a_dead_rank_fails_requests(tiny_chat
                     os.kill(rank, signal.SIGKILL)
                     error = None
                     async for line in lines:
-                        if '"error"' in line:
+                        if is_error_event(line):
                             error = line
                     assert error and "tensor-parallel rank 1" in error, error
                 deadline = time.monotonic() + 10
