@@ -28,7 +28,8 @@ BACKEND_FLAG = "distributed_executor_backend (--distributed-executor-backend)"
 # EPYC without AMX (chunk_budget_epyc.md) already at 192. 256 is the largest chunk that keeps a
 # 64-row decode step's inter-token latency p99 within 3x its p50 on the host without AMX, served
 # at concurrency 64 (2.63 at 128-token prompts, 2.12 at 1,024; 448 gave 4.38 and 2.23), for no
-# output tok/s lost beyond the runs' noise (+-5 %) and a first token ~0.2-0.5 s later at p50.
+# output tok/s lost beyond the runs' noise (one budget's two rounds differed by up to 14 %) and a
+# first token 0.2-2 s later at p50 (1.6 -> 1.8 s at 128-token prompts, 51.5 -> 53.6 s at 1,024).
 CPU_PREFILL_CHUNK = 256
 # A GPU step costs about the same up to thousands of tokens: vLLM's API-server default there.
 ACCELERATOR_BATCHED_TOKENS = 2048
