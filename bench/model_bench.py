@@ -72,8 +72,11 @@ def gemm_gflops(dtype, quantization: str, m: int, k: int = 576, n: int = 1536, r
     return 2 * m * k * n * reps / (time.perf_counter() - t) / 1e9
 
 
-def forward_ms(model, batch: int, context: int, prefill: int = 0, reps: int = 5) -> float:
-    from leanserve.model.attention import AttentionMetadata, DecodeMaskTable, decode_groups
+def forward_ms(model, batch: int, context: int, prefill: int = 0, reps: int = 5, attention: str = "auto") -> float:
+    """``attention``: decode rows in leanserve's CPU kernel where it builds (auto, the engine's
+    default) or gathered into SDPA (sdpa)."""
+    from leanserve.model import kernels
+    from leanserve.model.attention import AttentionMetadata, DecodeMaskTable, PagedDecode, decode_groups
 
     cfg, bs = model.config, 16
     per_seq = -(-max(context, prefill) // bs) + 1
@@ -87,9 +90,13 @@ def forward_ms(model, batch: int, context: int, prefill: int = 0, reps: int = 5)
     else:
         pos = torch.full((batch,), context - 1)
         slots = tables[:, (context - 1) // bs] * bs + (context - 1) % bs
-        groups = decode_groups(tables.numpy(), (pos + 1).numpy(), bs, DecodeMaskTable(kv.device), torch.as_tensor,
-                               mask_lone_row=True)
-        meta = AttentionMetadata.build(slots, groups, context, [])
+        kernel = kernels.paged_decode_attention() if attention == "auto" else None
+        if kernel is not None:
+            meta = AttentionMetadata.build(slots, None, context, [], paged_decode=PagedDecode(kernel, tables, pos + 1))
+        else:
+            groups = decode_groups(tables.numpy(), (pos + 1).numpy(), bs, DecodeMaskTable(kv.device),
+                                   torch.as_tensor, mask_lone_row=True)
+            meta = AttentionMetadata.build(slots, groups, context, [])
         args = (torch.randint(0, 40000, (batch,)), pos, kv, meta, None)
     model(*args)
     times = []

@@ -1,4 +1,5 @@
-"""Decode attention over the paged KV cache against a dense reference, rows grouped or not."""
+"""Decode attention over the paged KV cache against a dense reference: rows gathered (grouped
+or not) into SDPA, or read in place by the CPU kernel (its own cases in test_kernels.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from leanserve.model import attention
-from leanserve.model.attention import (AttentionMetadata, DecodeGroup, DecodeMaskTable, GatherScratch,
+from leanserve.model import attention, kernels
+from leanserve.model.attention import (AttentionMetadata, DecodeGroup, DecodeMaskTable, GatherScratch, PagedDecode,
                                       decode_groups, paged_attention, split_decode_rows)
 
 BLOCK, KV_HEADS, HEADS, DIM = 16, 2, 6, 32
@@ -78,10 +79,11 @@ def test_decode_rows_of_mixed_lengths_attend_exactly_their_own_contexts(dtype, m
     masks = DecodeMaskTable("cpu", dtype=dtype)
     scratch = GatherScratch()  # shared by the steps below, as the model runner shares its own
 
-    def attend(groups, padding_rows=0):
-        """Through paged_attention, with ``padding_rows`` after the decode rows (a padded step)."""
+    def attend(groups, padding_rows=0, paged=None):
+        """Through paged_attention, with ``padding_rows`` after the decode rows (a padded step);
+        ``paged``: the rows for the in-place kernel instead of ``groups``."""
         kc, vc = k_cache.clone(), v_cache.clone()
-        meta = AttentionMetadata.build(slots, groups, int(lens.max()), [], scratch=scratch)
+        meta = AttentionMetadata.build(slots, groups, int(lens.max()), [], scratch=scratch, paged_decode=paged)
         pad = torch.zeros(padding_rows, *q.shape[1:], dtype=dtype)
         out = paged_attention(torch.cat((q, pad)), torch.cat((k_new, pad[:, :KV_HEADS])),
                               torch.cat((v_new, pad[:, :KV_HEADS])), kc, vc, meta, DIM ** -0.5)
@@ -114,6 +116,12 @@ def test_decode_rows_of_mixed_lengths_attend_exactly_their_own_contexts(dtype, m
     tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(one.float(), want, **tol)
     torch.testing.assert_close(split.float(), want, **tol)
+    # The CPU kernel reading each row's blocks in place (model/kernels), in a padded step too.
+    paged = PagedDecode(kernels.paged_decode_attention(), torch.as_tensor(table), torch.as_tensor(lens))
+    in_place, kc3, vc3 = attend(None, paged=paged)
+    assert torch.equal(kc3, kc) and torch.equal(vc3, vc)
+    assert torch.equal(attend(None, padding_rows=3, paged=paged)[0], in_place)
+    torch.testing.assert_close(in_place.float(), want, **tol)
 
 
 def test_gather_scratch_copies_blocks_into_buffers_it_reuses_and_grows_only_when_a_step_needs_more():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .engine.config import BACKENDS
+from .engine.config import ATTENTION_BACKENDS, BACKENDS
 from .model.config import ModelLoadError
 from .model.quant import QUANTIZATIONS
 from .router.config import POLICIES
@@ -30,6 +30,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--max-logprobs", type=int, default=20, help="the most logprobs / top_logprobs a request may ask for")
+    p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+                   help="decode attention: cpu-paged, leanserve's CPU kernel reading KV blocks in place (built "
+                        "with the machine's C++ compiler on first use); sdpa, keys gathered then SDPA (every "
+                        "other device); auto (default): cpu-paged where it builds, else sdpa")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="ranks that hold one model between them (attention heads, KV heads and MLP columns split; "
                         "on CPU each gets cores / N threads)")
@@ -52,7 +56,7 @@ def _engine_config(a):
                         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                         block_size=a.block_size, kv_cache_memory=a.kv_cache_memory,
                         enable_prefix_caching=a.enable_prefix_caching, seed=a.seed, max_logprobs=a.max_logprobs,
-                        tensor_parallel_size=a.tensor_parallel_size,
+                        attention_backend=a.attention_backend, tensor_parallel_size=a.tensor_parallel_size,
                         distributed_executor_backend=a.distributed_executor_backend)
 
 

@@ -19,6 +19,9 @@ from .kv_transfer.config import KVTransferConfig
 log = logging.getLogger("leanserve.engine")
 
 BACKENDS = ("mp", "ray")
+# How decode rows are attended (engine/model_runner.decode_attention_kernel): auto, leanserve's
+# CPU kernel reading blocks in place where it builds, else gathered keys + SDPA; or either.
+ATTENTION_BACKENDS = ("auto", "cpu-paged", "sdpa")
 BACKEND_FLAG = "distributed_executor_backend (--distributed-executor-backend)"
 
 # The prefill chunk a CPU step carries beside its decode rows when --max-num-batched-tokens is not
@@ -63,6 +66,7 @@ class EngineConfig:
     seed: int | None = None
     stats_capacity: int = 4096
     threads: int | None = None  # torch intra-op threads; None: torch's default
+    attention_backend: str = "auto"  # one of ATTENTION_BACKENDS
     kv_transfer: KVTransferConfig | None = None  # disaggregated serving; None: this engine moves no KV
     # Ranks that hold one model between them (engine/distributed): processes of this machine
     # ("mp") or Ray actors placed on the Ray cluster this machine belongs to ("ray").
@@ -81,6 +85,11 @@ class EngineConfig:
             raise ValueError(f"max_model_len: must be >= 2, got {self.max_model_len}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory: must be > 0 bytes, got {self.kv_cache_memory}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend (--attention-backend): {self.attention_backend!r}; choose one of "
+                             f"{', '.join(ATTENTION_BACKENDS)}")
+        if self.attention_backend == "cpu-paged" and not self.device.startswith("cpu"):
+            raise ValueError(f"attention_backend (--attention-backend): cpu-paged runs on the CPU, not {self.device}")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs: must be >= 0, got {self.max_logprobs}")
         if not 0 < self.kv_cache_fraction <= 0.9:

@@ -119,9 +119,11 @@ class EngineCore:
         self.scheduler = Scheduler(self.batch, self.kv.pool, config.max_num_batched_tokens,
                                    config.enable_prefix_caching, self.connector)
         bitmask = GrammarBitmask.for_device(config.device, config.max_num_seqs, self.vocab_size, config.threads)
-        self.runner = (ModelRunner(self.model, self.kv, config.device, config.seed, grammar_bitmask=bitmask)
+        self.runner = (ModelRunner(self.model, self.kv, config.device, config.seed, grammar_bitmask=bitmask,
+                                   attention_backend=config.attention_backend)
                        if ranks is None else
-                       TensorParallelRunner(self.model, self.kv, ranks, config.device, config.seed, bitmask))
+                       TensorParallelRunner(self.model, self.kv, ranks, config.device, config.seed, bitmask,
+                                            config.attention_backend))
         self.grammars = GrammarCompiler(self._grammar_tokenizer)
         self.stats = IterationStats(config.stats_capacity)
         self.requests: dict[int, Request] = {}  # by id, for aborts

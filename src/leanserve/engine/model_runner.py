@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..model.attention import AttentionMetadata, DecodeMaskTable, GatherScratch, bucket, decode_groups
+from ..model import kernels
+from ..model.attention import (AttentionMetadata, DecodeMaskTable, GatherScratch, PagedDecode, bucket,
+                               decode_groups)
 from ..model.prepack import prepack_linears
 from ..model.transformer import Transformer
 from .batch_state import BatchState, blocks_needed
@@ -165,12 +167,31 @@ def default_pad_shapes(model: Transformer, device: torch.device) -> bool:
     return device.type == "cpu" and model.embed_tokens.weight.dtype in (torch.bfloat16, torch.float16)
 
 
+def decode_attention_kernel(backend: str, model: Transformer, kv_cache: KVCache, device: torch.device):
+    """The kernel that attends decode rows in place (``--attention-backend``, see
+    ``model/kernels``), or None for gathered keys + SDPA. ``auto`` takes the kernel where it
+    applies (the CPU, float32 or bfloat16, shapes within its limits) and builds; ``cpu-paged``
+    raises ValueError where it does not."""
+    if backend == "sdpa":
+        return None
+    cfg, dtype = model.config, kv_cache.tensor.dtype
+    why_not = (f"runs on the CPU, not {device}" if device.type != "cpu" else
+               f"float32 or bfloat16, not {dtype}" if dtype not in (torch.float32, torch.bfloat16) else
+               "at most 128 heads of at most 256 dimensions and blocks of at most 256 tokens"
+               if cfg.num_heads > 128 or cfg.head_dim > 256 or kv_cache.block_size > 256 else None)
+    kernel = kernels.paged_decode_attention() if why_not is None else None
+    if kernel is None and backend == "cpu-paged":
+        raise ValueError(f"attention_backend (--attention-backend): cpu-paged {why_not or 'did not build here (see the log)'}")
+    return kernel
+
+
 class ModelRunner:
     # Why no step can run any more; a runner over several ranks sets it (see engine/distributed).
     failure: str | None = None
 
     def __init__(self, model: Transformer, kv_cache: KVCache, device="cpu", seed: int | None = None,
-                 pad_shapes: bool | None = None, grammar_bitmask: GrammarBitmask | None = None):
+                 pad_shapes: bool | None = None, grammar_bitmask: GrammarBitmask | None = None,
+                 attention_backend: str = "auto"):
         self.model = model
         self.grammar_bitmask = grammar_bitmask
         self.kv = kv_cache
@@ -179,6 +200,7 @@ class ModelRunner:
         self.gather_scratch = GatherScratch()  # every step's layers gather keys and values into it
         self.sampler = Sampler(self.device, seed)
         self.decode_masks = DecodeMaskTable(self.device, dtype=model.embed_tokens.weight.dtype)
+        self.decode_kernel = decode_attention_kernel(attention_backend, model, kv_cache, self.device)
         # Bounded shapes (see model/attention.py): the step's token rows, the rows reaching the
         # output head and each prefill chunk's query rows and key blocks are padded to buckets.
         self.pad_shapes = default_pad_shapes(model, self.device) if pad_shapes is None else pad_shapes
@@ -236,14 +258,20 @@ class ModelRunner:
             for start, n, _, _ in prefills:
                 num_rows = max(num_rows, start + bucket(n, 16))
             num_rows = bucket(num_rows)
+        paged = groups = None
+        if num_decode and self.decode_kernel is not None:
+            paged = PagedDecode(self.decode_kernel, self._t(inp.decode_block_table).contiguous(),
+                                self._t(inp.decode_seq_lens).contiguous())
+        elif num_decode:
+            groups = decode_groups(inp.decode_block_table, inp.decode_seq_lens, bs, self.decode_masks, self._t, pad)
         meta = AttentionMetadata.build(
             self._t(inp.slot_mapping),
-            decode_groups(inp.decode_block_table, inp.decode_seq_lens, bs, self.decode_masks, self._t, pad)
-            if num_decode else None,
+            groups,
             int(inp.decode_seq_lens.max()) if num_decode else 0,
             [(start, n, ctx, self._t(blocks)) for start, n, ctx, blocks in prefills],
             bs if pad else None,
             self.gather_scratch,
+            paged,
         )
         rows = inp.logits_indices
         extra = [np.arange(r0, r0 + len(t)) for _, r0, t, _ in inp.prompt_logprob_rows]

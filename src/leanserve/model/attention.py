@@ -1,10 +1,12 @@
 """Attention over a paged KV cache for a flat batch that mixes decode tokens and prefill chunks.
 
 The batch is laid out decode tokens first (one per sequence), then prefill chunks back to back.
-Decode rows are attended in one SDPA call over keys gathered block-wise from the cache, every
-row's keys padded to the longest context among them; where that would waste most of the work
-(one long context among short ones), in two (:func:`split_decode_rows`). Each prefill chunk is
-attended on its own (a step holds few of them: the token budget bounds it).
+Decode rows are attended by a kernel that reads each row's blocks in place where one is given
+(:class:`PagedDecode`: leanserve's CPU kernel, ``model/kernels``); else in one SDPA call over
+keys gathered block-wise from the cache, every row's keys padded to the longest context among
+them, or where that would waste most of the work (one long context among short ones) in two
+(:func:`split_decode_rows`). Each prefill chunk is attended on its own (a step holds few of
+them: the token budget bounds it).
 
 Everything that depends only on the batch shape (masks, gathered block ids) is built once per
 step in :class:`AttentionMetadata` and shared by all layers.
@@ -64,6 +66,16 @@ class DecodeGroup:
     # [n, 1, 1, blocks * block_size] additive float, 0 or -inf (see DecodeMaskTable), shaped for SDPA
     # once per step rather than per layer
     mask: torch.Tensor | None
+
+
+@dataclass
+class PagedDecode:
+    """A step's decode rows for a kernel that reads each row's own blocks where they lie in the
+    cache: no gather, no padding to the longest context, so no groups and no masks."""
+
+    kernel: Callable  # (q [n, H, Dh], k_cache, v_cache, block_table, seq_lens, scale) -> [n, H, Dh]
+    block_table: torch.Tensor  # [n, blocks] int64, entries past a row's context unread
+    seq_lens: torch.Tensor  # [n] int64: keys each row attends, its new token's included
 
 
 # Decode rows are attended this many bytes of gathered keys and values at a time: each chunk is
@@ -170,6 +182,7 @@ class AttentionMetadata:
     decode_len: int  # longest decode context (the exact one when D == 1 and there is no mask)
     prefills: list[PrefillChunk]
     scratch: GatherScratch  # where the step's layers gather keys and values
+    paged_decode: PagedDecode | None = None  # decode rows for an in-place kernel, instead of decode_groups
 
     @property
     def num_tokens(self) -> int:
@@ -185,6 +198,7 @@ class AttentionMetadata:
         prefills: list[tuple[int, int, int, torch.Tensor | None]],
         block_size: int | None = None,
         scratch: GatherScratch | None = None,
+        paged_decode: PagedDecode | None = None,
     ) -> "AttentionMetadata":
         """``decode_groups`` cover the decode rows (one group without ``rows``, or groups that
         partition them); a group without a mask is a lone decode row attending exactly
@@ -197,13 +211,18 @@ class AttentionMetadata:
         (the caller may pad them with the null block), masked beyond its context.
 
         ``scratch``: the gather buffers to reuse (the model runner keeps one for all its steps);
-        None: this step's own."""
+        None: this step's own.
+
+        ``paged_decode``: the decode rows for an in-place kernel, given instead of ``decode_groups``."""
         device = slot_mapping.device
         decode_groups = decode_groups or []
         if any(g.rows is not None and g.mask is None for g in decode_groups):
             raise ValueError("decode_groups: a group of some of the rows needs a mask (keys are cut to "
                              "decode_len, the step's longest context, only for a lone row)")
-        num_decode = sum(g.block_ids.shape[0] for g in decode_groups)
+        if paged_decode is not None and decode_groups:
+            raise ValueError("decode_groups: none when paged_decode covers the decode rows")
+        num_decode = (sum(g.block_ids.shape[0] for g in decode_groups) if paged_decode is None
+                      else paged_decode.seq_lens.shape[0])
         chunks = []
         for start, length, context_len, block_ids in prefills:
             q_len = length if block_size is None else bucket(length, 16)
@@ -215,7 +234,7 @@ class AttentionMetadata:
             mask = torch.arange(kv_len, device=device)[None, :] <= q_pos[:, None]
             chunks.append(PrefillChunk(start, length, context_len, block_ids, mask, q_len, kv_len))
         return cls(slot_mapping, num_decode, decode_groups, decode_len, chunks,
-                   scratch if scratch is not None else GatherScratch())
+                   scratch if scratch is not None else GatherScratch(), paged_decode)
 
 
 class DecodeMaskTable:
@@ -294,7 +313,10 @@ def paged_attention(
 
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                       scale: float) -> torch.Tensor:
-    """One query per sequence against its context: [D, H, Dh] -> [D, H, Dh], group by group."""
+    """One query per sequence against its context: [D, H, Dh] -> [D, H, Dh], in place by the
+    kernel of ``meta.paged_decode``, else gathered group by group."""
+    if (paged := meta.paged_decode) is not None:
+        return paged.kernel(q.contiguous(), k_cache, v_cache, paged.block_table, paged.seq_lens, scale)
     (first, *more) = meta.decode_groups
     if not more and first.rows is None:
         return _attend_group(q, k_cache, v_cache, first, meta, scale)

@@ -15,8 +15,9 @@ from .ranks import Ranks
 
 class TensorParallelRunner(ModelRunner):
     def __init__(self, model: Transformer, kv_cache: KVCache, ranks: Ranks, device="cpu", seed: int | None = None,
-                 grammar_bitmask: GrammarBitmask | None = None):
-        super().__init__(model, kv_cache, device, seed, grammar_bitmask=grammar_bitmask)
+                 grammar_bitmask: GrammarBitmask | None = None, attention_backend: str = "auto"):
+        super().__init__(model, kv_cache, device, seed, grammar_bitmask=grammar_bitmask,
+                         attention_backend=attention_backend)
         self.ranks = ranks
         ranks.ready(kv_cache.pool.num_blocks)
 

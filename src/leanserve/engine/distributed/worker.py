@@ -56,7 +56,7 @@ def run_rank(spec: RankSpec) -> None:
     num_blocks = int(store.get("kv_blocks"))
     kv = KVCache(cfg.num_layers, cfg.num_kv_heads // group.size, cfg.head_dim, num_blocks, engine.block_size,
                  spec.config.model.dtype, device)
-    runner = ModelRunner(model, kv, device)
+    runner = ModelRunner(model, kv, device, attention_backend=engine.attention_backend)
     reader = spec.channel.reader(alive=lambda: spec.parent_pid in (None, os.getppid()))
     group.barrier()
     log.info("tensor-parallel rank %d of %d ready (%d KV blocks)", spec.rank, group.size, num_blocks)

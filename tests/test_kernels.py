@@ -1,0 +1,139 @@
+"""leanserve's CPU decode attention kernel (model/kernels): built here, against a dense float64
+reference, batch-invariant bit for bit, reading only each row's own blocks; and what happens
+where it cannot be built."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from leanserve.engine.config import EngineConfig
+from leanserve.engine.kv_cache import KVCache
+from leanserve.engine.model_runner import decode_attention_kernel
+from leanserve.model import kernels
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    k = kernels.paged_decode_attention()
+    assert k is not None, "the kernel did not build on this machine (see the log)"
+    return k
+
+
+def paged_case(lens, heads, kv_heads, dim, block, dtype, seed=0):
+    """q, caches and a block table whose rows' blocks are scattered over the pool; the null block
+    0, every table entry past a row's context and every slot past its length hold NaN, so a
+    kernel that read them would return NaN."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = [-(-n // block) for n in lens]
+    num_blocks = sum(blocks) + 1
+    k_cache = torch.randn(num_blocks, block, kv_heads, dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block, kv_heads, dim, generator=g).to(dtype)
+    ids = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
+    table = torch.zeros(len(lens), max(blocks) + 2, dtype=torch.long)
+    for r, n in enumerate(lens):
+        table[r, : blocks[r]] = torch.tensor([ids.pop() for _ in range(blocks[r])])
+        last = table[r, blocks[r] - 1]
+        k_cache[last, (n - 1) % block + 1 :] = float("nan")
+        v_cache[last, (n - 1) % block + 1 :] = float("nan")
+    k_cache[0] = v_cache[0] = float("nan")
+    q = torch.randn(len(lens), heads, dim, generator=g).to(dtype)
+    return q, k_cache, v_cache, table, torch.tensor(lens, dtype=torch.long)
+
+
+def reference(q, k_cache, v_cache, table, lens, scale):
+    """Each row against its context, float64, query head h reading KV head h // (heads / kv_heads)."""
+    heads, kv_heads = q.shape[1], k_cache.shape[2]
+    out = []
+    for r, n in enumerate(lens.tolist()):
+        k = k_cache[table[r]].flatten(0, 1)[:n].double().repeat_interleave(heads // kv_heads, dim=1)
+        v = v_cache[table[r]].flatten(0, 1)[:n].double().repeat_interleave(heads // kv_heads, dim=1)
+        weights = (torch.einsum("hd,nhd->hn", q[r].double(), k) * scale).softmax(-1)
+        out.append(torch.einsum("hn,nhd->hd", weights, v))
+    return torch.stack(out)
+
+
+# Shapes compiled for (3 and 1 query heads per KV head, 64 and 128 dimensions), and one that is not.
+@pytest.mark.parametrize("heads,kv_heads,dim,block", [(9, 3, 64, 16), (4, 4, 128, 32), (8, 1, 32, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_row_attends_exactly_its_own_context(kernel, heads, kv_heads, dim, block, dtype):
+    # Contexts of one token, within a block, at block edges, across the kernel's 256-token partitions.
+    lens = [1, 15, 16, 17, 255, 256, 257, 700, 1100]
+    q, k_cache, v_cache, table, seq_lens = paged_case(lens, heads, kv_heads, dim, block, dtype)
+    scale = dim ** -0.5
+    got = kernel(q, k_cache, v_cache, table, seq_lens, scale)
+    assert got.dtype == dtype and got.shape == q.shape
+    want = reference(q, k_cache, v_cache, table, seq_lens, scale)
+    # bf16: the result rounded once (8 bits of mantissa); float32: float32 sums over ~1,000 keys.
+    tol = dict(atol=1e-2, rtol=1e-2) if dtype == torch.bfloat16 else dict(atol=2e-6, rtol=2e-6)
+    torch.testing.assert_close(got.double(), want, **tol)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 1, 32)])  # a compiled shape, the general one
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_result_is_bitwise_the_same_alone_or_in_any_batch(kernel, dtype, heads, kv_heads, dim):
+    lens = [3, 900, 40, 257, 2048, 16]
+    q, k_cache, v_cache, table, seq_lens = paged_case(lens, heads, kv_heads, dim, 16, dtype, seed=1)
+    together = kernel(q, k_cache, v_cache, table, seq_lens, 0.125)
+    for r in range(len(lens)):
+        alone = kernel(q[r : r + 1], k_cache, v_cache, table[r : r + 1], seq_lens[r : r + 1], 0.125)
+        assert torch.equal(alone[0], together[r])
+    order = torch.tensor([5, 2, 0, 4, 1, 3])
+    shuffled = kernel(q[order], k_cache, v_cache, table[order], seq_lens[order], 0.125)
+    assert torch.equal(shuffled, together[order])
+    # More threads or fewer: the same partitions, merged in the same order.
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(kernel(q, k_cache, v_cache, table, seq_lens, 0.125), together)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_no_rows_and_bad_arguments(kernel):
+    q, k_cache, v_cache, table, seq_lens = paged_case([20, 30], 9, 3, 64, 16, torch.float32)
+    assert kernel(q[:0], k_cache, v_cache, table[:0], seq_lens[:0], 0.1).shape == (0, 9, 64)
+    with pytest.raises(RuntimeError, match="seq_lens must be positive"):
+        kernel(q, k_cache, v_cache, table, torch.tensor([20, 0]), 0.1)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        kernel(q.half(), k_cache.half(), v_cache.half(), table, seq_lens, 0.1)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        kernel(q.bfloat16(), k_cache, v_cache, table, seq_lens, 0.1)
+    with pytest.raises(RuntimeError, match="int64"):
+        kernel(q, k_cache, v_cache, table.int(), seq_lens, 0.1)
+
+
+def test_without_a_compiler_decode_attention_falls_back_with_one_log_line(monkeypatch, tmp_path, caplog):
+    build = kernels.paged_decode_attention.__wrapped__  # past the per-process cache
+    monkeypatch.setenv("LEANSERVE_KERNEL_CACHE", str(tmp_path))
+    for compiler, says in (("no-such-compiler-here", "no C++ compiler"), ("false", "did not build")):
+        monkeypatch.setenv("CXX", compiler)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="leanserve.model.kernels"):
+            assert build() is None
+        assert [says in r.message for r in caplog.records] == [True]
+    assert list(tmp_path.iterdir()) == []  # nothing half-built left behind
+
+
+def test_the_attention_backend_flag():
+    with pytest.raises(ValueError, match="attention_backend"):
+        EngineConfig(attention_backend="flash").validate()
+    with pytest.raises(ValueError, match="cpu-paged runs on the CPU"):
+        EngineConfig(attention_backend="cpu-paged", device="cuda").validate()
+
+    class Config:
+        num_heads, head_dim = 9, 64
+
+    class Model:
+        config = Config()
+
+    fp16 = KVCache(1, 3, 64, 4, 16, torch.float16, "cpu")
+    bf16 = KVCache(1, 3, 64, 4, 16, torch.bfloat16, "cpu")
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match="cpu-paged float32 or bfloat16"):
+        decode_attention_kernel("cpu-paged", Model(), fp16, cpu)
+    assert decode_attention_kernel("auto", Model(), fp16, cpu) is None  # auto: SDPA where the kernel does not apply
+    assert decode_attention_kernel("sdpa", Model(), bf16, cpu) is None
+    assert decode_attention_kernel("auto", Model(), bf16, cpu) is kernels.paged_decode_attention()
