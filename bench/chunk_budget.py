@@ -206,7 +206,7 @@ def write(results: Path, result: dict) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--part", choices=["steps", "serve", "both"], default="both")
-    ap.add_argument("--budgets", type=ints, default=[2048, 1024, 512, 320, 256])
+    ap.add_argument("--budgets", type=ints, default=[2048, 1024, 512, 320, 256, 192])
     ap.add_argument("--input-lens", type=ints, default=[128, 1024])
     ap.add_argument("--prompts", type=ints, default=[128, 64], help="requests per served run, per input length")
     ap.add_argument("--rounds", type=int, default=2)

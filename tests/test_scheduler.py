@@ -136,8 +136,8 @@ def test_chunked_prefill_splits_a_long_prompt_by_the_budget_while_decodes_contin
 
 def test_default_budget_is_per_device_and_the_flag_overrides_it():
     parse = build_parser().parse_args
-    assert default_max_num_batched_tokens("cpu", 64) == 64 + CPU_PREFILL_CHUNK == 320
-    assert _engine_config(parse(["serve"])).max_num_batched_tokens == 320
+    assert default_max_num_batched_tokens("cpu", 64) == 64 + CPU_PREFILL_CHUNK == 192
+    assert _engine_config(parse(["serve"])).max_num_batched_tokens == 192
     assert _engine_config(parse(["serve", "--max-num-seqs", "128"])).max_num_batched_tokens == 128 + CPU_PREFILL_CHUNK
     assert _engine_config(parse(["serve", "--device", "cuda"])).max_num_batched_tokens == 2048
     assert _engine_config(parse(["serve", "--device", "cuda:1", "--max-num-seqs", "4096"])).max_num_batched_tokens \

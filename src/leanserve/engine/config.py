@@ -25,22 +25,23 @@ ATTENTION_BACKENDS = ("auto", "cpu-paged", "sdpa")
 BACKEND_FLAG = "distributed_executor_backend (--distributed-executor-backend)"
 
 # The prefill chunk a CPU step carries beside its decode rows when --max-num-batched-tokens is not
-# given. A CPU step's time grows with its tokens, so a chunk holds every decode row beside it for as
-# long as it takes, while a chunk's own rate stops growing early: on the 2-core Xeon with AMX
+# given. A CPU step's time grows with its tokens, so a chunk holds every decode row beside it for
+# as long as it takes, while a chunk's own rate stops growing early: on the 2-core Xeon with AMX
 # (bench/results/chunk_budget.md) at ~450 tokens, within 7 % of that from 192; on the 2-core AMD
-# EPYC without AMX (chunk_budget_epyc.md) already at 192. 256 is the largest chunk that keeps a
-# 64-row decode step's inter-token latency p99 within 3x its p50 on the host without AMX, served
-# at concurrency 64 (2.63 at 128-token prompts, 2.12 at 1,024; 448 gave 4.38 and 2.23), for no
-# output tok/s lost beyond the runs' noise (one budget's two rounds differed by up to 14 %) and a
-# first token 0.2-2 s later at p50 (1.6 -> 1.8 s at 128-token prompts, 51.5 -> 53.6 s at 1,024).
-CPU_PREFILL_CHUNK = 256
+# EPYC without AMX (chunk_budget_epyc.md) already at 192 (a 128-token chunk ~9 % below). 128 is
+# the largest chunk that keeps a 64-row decode step's inter-token latency p99 within 3x its p50
+# with a margin on the host without AMX, served at concurrency 64 with decode attention in
+# leanserve's kernel: 2.34 at 128-token prompts, 2.12 at 1,024 (a 256-token chunk, the previous
+# default budget 320, gave 3.78 and 2.15; 192 gave 2.94), for output tok/s within the runs' noise (rounds of one budget differed by up to 12 %)
+# and a first token later at p50 (1.6 -> 2.2 s at 128-token prompts, 49 -> 53 s at 1,024).
+CPU_PREFILL_CHUNK = 128
 # A GPU step costs about the same up to thousands of tokens: vLLM's API-server default there.
 ACCELERATOR_BATCHED_TOKENS = 2048
 
 
 def default_max_num_batched_tokens(device: str, max_num_seqs: int) -> int:
     """The token budget of a step unless set: on a CPU every running request's decode row plus
-    one chunk (320 at the default 64 sequences), so neither starves the other; elsewhere 2048,
+    one chunk (192 at the default 64 sequences), so neither starves the other; elsewhere 2048,
     or ``max_num_seqs`` where that is more."""
     if device.startswith("cpu"):
         return max_num_seqs + CPU_PREFILL_CHUNK
