@@ -132,7 +132,7 @@ def test_the_attention_backend_flag():
     fp16 = KVCache(1, 3, 64, 4, 16, torch.float16, "cpu")
     bf16 = KVCache(1, 3, 64, 4, 16, torch.bfloat16, "cpu")
     cpu = torch.device("cpu")
-    with pytest.raises(ValueError, match="cpu-paged float32 or bfloat16"):
+    with pytest.raises(ValueError, match="cpu-paged takes float32 or bfloat16"):
         decode_attention_kernel("cpu-paged", Model(), fp16, cpu)
     assert decode_attention_kernel("auto", Model(), fp16, cpu) is None  # auto: SDPA where the kernel does not apply
     assert decode_attention_kernel("sdpa", Model(), bf16, cpu) is None

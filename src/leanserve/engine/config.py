@@ -32,8 +32,9 @@ BACKEND_FLAG = "distributed_executor_backend (--distributed-executor-backend)"
 # the largest chunk that keeps a 64-row decode step's inter-token latency p99 within 3x its p50
 # with a margin on the host without AMX, served at concurrency 64 with decode attention in
 # leanserve's kernel: 2.34 at 128-token prompts, 2.12 at 1,024 (a 256-token chunk, the previous
-# default budget 320, gave 3.78 and 2.15; 192 gave 2.94), for output tok/s within the runs' noise (rounds of one budget differed by up to 12 %)
-# and a first token later at p50 (1.6 -> 2.2 s at 128-token prompts, 49 -> 53 s at 1,024).
+# default budget 320, gave 3.78 and 2.15; 192 gave 2.94), for output tok/s within the runs' noise
+# (rounds of one budget differed by up to 12 %) and a first token later at p50 (1.6 -> 2.2 s at
+# 128-token prompts, 49 -> 53 s at 1,024).
 CPU_PREFILL_CHUNK = 128
 # A GPU step costs about the same up to thousands of tokens: vLLM's API-server default there.
 ACCELERATOR_BATCHED_TOKENS = 2048
