@@ -101,6 +101,23 @@ inline float sum_lanes(vfloat v) {  // halves added: 4 shuffles and adds, not 15
   return v[0];
 }
 
+// Folds one query head's scores for a block, s[0, n), into its running max and sum: s becomes the
+// block's weights exp(s - max). Returns the factor the head's weighted sum of values so far must
+// be scaled by: 0 for the first block (the max was -inf), 1 where the max held.
+inline float fold_block_scores(float* s, int64_t n, float& max, float& sum) {
+  float m = max;
+  for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
+  const float rescale = exp_nonpositive(max - m);
+  float total = 0.f;
+  for (int64_t t = 0; t < n; ++t) {
+    s[t] = exp_nonpositive(s[t] - m);
+    total += s[t];
+  }
+  sum = sum * rescale + total;
+  max = m;
+  return rescale;
+}
+
 // Running state of one (row, partition): per query head the max score so far, the sum of
 // exp(score - max), and the exp-weighted sum of values, all float32.
 struct Partial {
@@ -158,17 +175,7 @@ void attend(const float* q, const T* k_cache, const T* v_cache, const int64_t* b
       }
     }
     for (int64_t i = 0; i < H; ++i) {
-      float* s = scores + i * n;
-      float m = p.max[i];
-      for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
-      const float rescale = exp_nonpositive(p.max[i] - m);  // 0 for the first block (max was -inf)
-      float total = 0.f;
-      for (int64_t t = 0; t < n; ++t) {
-        s[t] = exp_nonpositive(s[t] - m);
-        total += s[t];
-      }
-      p.sum[i] = p.sum[i] * rescale + total;
-      p.max[i] = m;
+      const float rescale = fold_block_scores(scores + i * n, n, p.max[i], p.sum[i]);
       if (rescale != 1.f) {
         float* a = p.acc + i * D;
 #pragma omp simd
@@ -194,9 +201,10 @@ void attend(const float* q, const T* k_cache, const T* v_cache, const int64_t* b
 // head by KV head, its G queries and G running sums held in registers over the partition's
 // blocks (3 x 4 + 3 x 4 of 32 AVX-512 registers for the default model), each block's keys
 // scored, its softmax weights updated, its values summed in.
+// Takes attend()'s arguments, so either can be picked per call; G and D are the template's.
 template <typename T, int G, int DV>
 void attend_fixed(const float* q, const T* k_cache, const T* v_cache, const int64_t* block_ids, int64_t begin,
-                  int64_t end, int64_t block_size, int64_t KVH, Partial p) {
+                  int64_t end, int64_t block_size, int64_t KVH, int64_t, int64_t, Partial p) {
   constexpr int64_t D = DV * kLanes;
   const int64_t token_stride = KVH * D, block_stride = block_size * token_stride;
   alignas(64) float row[D];
@@ -236,17 +244,7 @@ void attend_fixed(const float* q, const T* k_cache, const T* v_cache, const int6
         }
       }
       for (int g = 0; g < G; ++g) {
-        float* s = scores[g];
-        float m = max[g];
-        for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
-        const float rescale = exp_nonpositive(max[g] - m);
-        float total = 0.f;
-        for (int64_t t = 0; t < n; ++t) {
-          s[t] = exp_nonpositive(s[t] - m);
-          total += s[t];
-        }
-        sum[g] = sum[g] * rescale + total;
-        max[g] = m;
+        const float rescale = fold_block_scores(scores[g], n, max[g], sum[g]);
         if (rescale != 1.f)
           for (int i = 0; i < DV; ++i) acc[g][i] *= rescale;
       }
@@ -267,30 +265,19 @@ void attend_fixed(const float* q, const T* k_cache, const T* v_cache, const int6
   }
 }
 
-using AttendFn = void (*)(const float*, const void*, const void*, const int64_t*, int64_t, int64_t, int64_t,
-                          int64_t, int64_t, int64_t, Partial);
-
-template <typename T, int G, int DV>
-void attend_fixed_erased(const float* q, const void* k, const void* v, const int64_t* ids, int64_t begin, int64_t end,
-                         int64_t block_size, int64_t KVH, int64_t, int64_t, Partial p) {
-  attend_fixed<T, G, DV>(q, static_cast<const T*>(k), static_cast<const T*>(v), ids, begin, end, block_size, KVH, p);
-}
-
 template <typename T>
-void attend_any_erased(const float* q, const void* k, const void* v, const int64_t* ids, int64_t begin, int64_t end,
-                       int64_t block_size, int64_t KVH, int64_t G, int64_t D, Partial p) {
-  attend<T>(q, static_cast<const T*>(k), static_cast<const T*>(v), ids, begin, end, block_size, KVH, G, D, p);
-}
+using AttendFn = void (*)(const float*, const T*, const T*, const int64_t*, int64_t, int64_t, int64_t, int64_t,
+                          int64_t, int64_t, Partial);
 
 // The compiled shape for G query heads per KV head and D dimensions: 1-8 heads of 64 or 128
 // dimensions (Llama, Qwen, Mistral, SmolLM and most others); any other shape, attend().
 template <typename T, int G>
-AttendFn pick_for_group(int64_t D) {
-  return D == 64 ? &attend_fixed_erased<T, G, 4> : D == 128 ? &attend_fixed_erased<T, G, 8> : &attend_any_erased<T>;
+AttendFn<T> pick_for_group(int64_t D) {
+  return D == 64 ? &attend_fixed<T, G, 4> : D == 128 ? &attend_fixed<T, G, 8> : &attend<T>;
 }
 
 template <typename T>
-AttendFn pick(int64_t G, int64_t D) {
+AttendFn<T> pick(int64_t G, int64_t D) {
   switch (G) {
     case 1: return pick_for_group<T, 1>(D);
     case 2: return pick_for_group<T, 2>(D);
@@ -300,7 +287,7 @@ AttendFn pick(int64_t G, int64_t D) {
     case 6: return pick_for_group<T, 6>(D);
     case 7: return pick_for_group<T, 7>(D);
     case 8: return pick_for_group<T, 8>(D);
-    default: return &attend_any_erased<T>;
+    default: return &attend<T>;
   }
 }
 
@@ -332,7 +319,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   const int64_t state = H * (D + 2);
   std::vector<float> partials(parts * state);
   const float fscale = float(scale);
-  const AttendFn attend_fn = pick<T>(G, D);
+  const AttendFn<T> attend_fn = pick<T>(G, D);
 
 #pragma omp parallel for schedule(dynamic, 1) num_threads(at::get_num_threads())
   for (int64_t part = 0; part < parts; ++part) {
