@@ -174,6 +174,7 @@ def engine_decode(model, batch: int, tokenizer) -> dict:
 def run_one(variant: str) -> dict:
     """``variant``: a dtype, optionally ``+int8`` or ``+gguf`` (``--quantization``)."""
     from leanserve.model import ModelSpec, default_model_path, load_model
+    from leanserve.model.layer_ops import use_cpu_kernels
     from leanserve.model.prepack import prepack_linears
     from leanserve.tokenizer import Tokenizer
 
@@ -184,6 +185,7 @@ def run_one(variant: str) -> dict:
     t = time.perf_counter()
     model = load_model(ModelSpec.resolve(None, dtype, quantization=quantization))
     prepack_linears(model, torch.device("cpu"))  # as the engine's runner does, before its first step
+    use_cpu_kernels(model.ops, torch.device("cpu"), model.embed_tokens.weight.dtype)  # likewise
     load_s = time.perf_counter() - t
     res = {"dtype": variant, "load_s": load_s, "rss_mb": rss_mb(), "rss_before_mb": before}
     tdtype = model.norm.weight.dtype

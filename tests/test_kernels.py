@@ -1,6 +1,6 @@
 """leanserve's CPU decode attention kernel (model/kernels): built here, against a dense float64
 reference, batch-invariant bit for bit, reading only each row's own blocks; and what happens
-where it cannot be built."""
+where it, or the layer ops' kernels (tests/test_layer_ops.py), cannot be built."""
 
 from __future__ import annotations
 
@@ -105,8 +105,9 @@ def test_no_rows_and_bad_arguments(kernel):
         kernel(q, k_cache, v_cache, table.int(), seq_lens, 0.1)
 
 
-def test_without_a_compiler_decode_attention_falls_back_with_one_log_line(monkeypatch, tmp_path, caplog):
-    build = kernels.paged_decode_attention.__wrapped__  # past the per-process cache
+@pytest.mark.parametrize("loader", [kernels.paged_decode_attention, kernels.layer_ops])
+def test_without_a_compiler_the_kernels_fall_back_with_one_log_line(loader, monkeypatch, tmp_path, caplog):
+    build = loader.__wrapped__  # past the per-process cache
     monkeypatch.setenv("LEANSERVE_KERNEL_CACHE", str(tmp_path))
     for compiler, says in (("no-such-compiler-here", "no C++ compiler"), ("false", "did not build")):
         monkeypatch.setenv("CXX", compiler)

@@ -14,8 +14,8 @@ from leanserve import LLM, SamplingParams
 from leanserve.engine.config import EngineConfig
 from leanserve.model import ModelSpec, load_model
 from leanserve.model.attention import AttentionMetadata
+from leanserve.model.layer_ops import use_cpu_kernels
 from leanserve.model.quant import Int8Linear
-from leanserve.model.transformer import _rotate
 
 from .conftest import ARCHS
 
@@ -73,21 +73,23 @@ def test_default_model_greedy_matches_transformers(default_model, default_tokeni
         assert out.outputs[0].token_ids == hf_greedy(smollm_reference, ids.tolist())
 
 
+@pytest.mark.parametrize("ops", ["torch", "cpu-kernels"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rotary_embedding_is_transformers_bit_for_bit(default_model, smollm_reference, dtype):
-    """Our rotary tables and rotation against transformers' own, from the same frequencies: ours
-    are computed in float64 and rounded once, transformers' in float32, so they differ in the
-    last bit (the logits tests cover that difference)."""
+def test_rotary_embedding_is_transformers_bit_for_bit(default_model, smollm_reference, dtype, ops):
+    """Our rotary tables and rotation, in PyTorch ops and in leanserve's CPU kernel, against
+    transformers' own from the same frequencies."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     ours = load_model(ModelSpec.resolve(default_model, "float32"))
+    if ops == "cpu-kernels":
+        assert use_cpu_kernels(ours.ops, torch.device("cpu"), dtype)
     cfg, n = ours.config, 300
     g = torch.Generator().manual_seed(0)
     q = torch.randn(n, cfg.num_heads, cfg.head_dim, generator=g).to(dtype)
     k = torch.randn(n, cfg.num_kv_heads, cfg.head_dim, generator=g).to(dtype)
     positions = torch.randperm(4096, generator=g)[:n]
     cos, sin = ours._rope(positions, dtype)
-    got = _rotate(torch.cat((q, k), dim=1), cos, sin)
+    got = ours.ops.rotate(torch.cat((q, k), dim=1), cos, sin)
     rotary = copy.deepcopy(smollm_reference.model.rotary_emb)
     rotary.inv_freq = ours.inv_freq.clone()
     ref_cos, ref_sin = rotary(q, positions[None])  # [1, T, D], in q's dtype
@@ -95,13 +97,16 @@ def test_rotary_embedding_is_transformers_bit_for_bit(default_model, smollm_refe
     assert torch.equal(got, torch.cat((want_q[0].transpose(0, 1), want_k[0].transpose(0, 1)), dim=1))
 
 
+@pytest.mark.parametrize("ops", ["torch", "cpu-kernels"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_tiny_architectures_match_transformers(arch, tiny_model_dir):
+def test_tiny_architectures_match_transformers(arch, tiny_model_dir, ops):
     from transformers import AutoModelForCausalLM
 
     path = tiny_model_dir(arch)
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ours = load_model(ModelSpec.resolve(path, "float32"))
+    if ops == "cpu-kernels":  # norms (q/k norms too), rotary and SiLU in leanserve's kernels
+        assert use_cpu_kernels(ours.ops, torch.device("cpu"), torch.float32)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 49000, size=n).tolist() for n in (5, 17, 40)]
     for ids in prompts:

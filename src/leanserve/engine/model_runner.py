@@ -20,6 +20,7 @@ import torch
 from ..model import kernels
 from ..model.attention import (AttentionMetadata, DecodeMaskTable, GatherScratch, PagedDecode, bucket,
                                decode_groups)
+from ..model.layer_ops import use_cpu_kernels
 from ..model.prepack import prepack_linears
 from ..model.transformer import Transformer
 from .batch_state import BatchState, blocks_needed
@@ -198,6 +199,7 @@ class ModelRunner:
         self.kv = kv_cache
         self.device = torch.device(device)
         prepack_linears(model, self.device)  # bf16 on the CPU: weights in the GEMM's layout, once
+        use_cpu_kernels(model.ops, self.device, model.embed_tokens.weight.dtype)  # norms, rotary, SiLU
         self.gather_scratch = GatherScratch()  # every step's layers gather keys and values into it
         self.sampler = Sampler(self.device, seed)
         self.decode_masks = DecodeMaskTable(self.device, dtype=model.embed_tokens.weight.dtype)

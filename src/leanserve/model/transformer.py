@@ -10,11 +10,11 @@ parallelism a model holds one rank's share of every weight (see :mod:`.parallel`
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .attention import AttentionMetadata, paged_attention
 from .config import ModelConfig
+from .layer_ops import LayerOps
 from .parallel import TensorParallel, embed
 
 
@@ -25,21 +25,24 @@ def _empty(*shape, dtype, device) -> nn.Parameter:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, dtype, device):
+    def __init__(self, dim: int, eps: float, dtype, device, ops: LayerOps):
         super().__init__()
-        self.eps = eps
+        self.eps, self.ops = eps, ops
         self.weight = _empty(dim, dtype=dtype, device=device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """RMSNorm(x); with the residual stream, (RMSNorm(x + residual), x + residual)."""
+        if residual is None:
+            return self.ops.rms_norm(x, self.weight, self.eps)
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
     """This rank's attention heads and KV heads; the output is summed over ranks."""
 
-    def __init__(self, cfg: ModelConfig, dtype, device, tp: TensorParallel):
+    def __init__(self, cfg: ModelConfig, dtype, device, tp: TensorParallel, ops: LayerOps):
         super().__init__()
-        self.tp = tp
+        self.tp, self.ops = tp, ops
         self.num_heads, self.num_kv_heads = cfg.num_heads // tp.size, cfg.num_kv_heads // tp.size
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * cfg.head_dim
@@ -52,8 +55,8 @@ class Attention(nn.Module):
             lin.weight = _empty(*lin.weight.shape, dtype=dtype, device=device)
             if lin.bias is not None:
                 lin.bias = _empty(*lin.bias.shape, dtype=dtype, device=device)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device, ops) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device, ops) if cfg.qk_norm else None
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata):
         t, h = x.shape[0], self.num_heads
@@ -63,22 +66,16 @@ class Attention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), dim=1)
-        q, k = _rotate(qk, cos, sin).split([h, self.num_kv_heads], dim=1)
+        q, k = self.ops.rotate(qk, cos, sin).split([h, self.num_kv_heads], dim=1)
         return self.tp.all_reduce(self.o_proj(paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)))
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding, half-split (GPT-NeoX / Hugging Face) layout. cos, sin: [T, 1, D/2]."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 class MLP(nn.Module):
     """This rank's columns of the MLP; the output is summed over ranks."""
 
-    def __init__(self, cfg: ModelConfig, dtype, device, tp: TensorParallel):
+    def __init__(self, cfg: ModelConfig, dtype, device, tp: TensorParallel, ops: LayerOps):
         super().__init__()
-        self.tp = tp
+        self.tp, self.ops = tp, ops
         inter = cfg.intermediate_size // tp.size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=False, device="meta")
         self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=False, device="meta")
@@ -86,21 +83,27 @@ class MLP(nn.Module):
             lin.weight = _empty(*lin.weight.shape, dtype=dtype, device=device)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
+        return self.tp.all_reduce(self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x))))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype, device, tp: TensorParallel):
+    def __init__(self, cfg: ModelConfig, dtype, device, tp: TensorParallel, ops: LayerOps):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(cfg, dtype, device, tp)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.mlp = MLP(cfg, dtype, device, tp)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ops)
+        self.self_attn = Attention(cfg, dtype, device, tp, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ops)
+        self.mlp = MLP(cfg, dtype, device, tp, ops)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, k_cache, v_cache, meta):
+        """x: the last sub-block's output (the embeddings for the first layer, whose residual is
+        None). Returns this layer's MLP output and the residual stream before it; the stream is
+        x + residual, added where the next norm runs (see layer_ops)."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, cos, sin, k_cache, v_cache, meta), residual)
+        return self.mlp(h), residual
 
 
 class Transformer(nn.Module):
@@ -112,8 +115,11 @@ class Transformer(nn.Module):
         vocab = tp.vocab_rows(cfg.vocab_size)
         self.embed_tokens = nn.Embedding(vocab, cfg.hidden_size, device="meta")
         self.embed_tokens.weight = _empty(vocab, cfg.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device, tp) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        # The elementwise work between the GEMMs, PyTorch's until a runner switches the CPU
+        # kernels on (layer_ops.use_cpu_kernels).
+        self.ops = ops = LayerOps()
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device, tp, ops) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ops)
         self.lm_head = nn.Linear(cfg.hidden_size, vocab, bias=False, device="meta")
         self.lm_head.weight = (self.embed_tokens.weight if cfg.tie_word_embeddings
                                else _empty(vocab, cfg.hidden_size, dtype=dtype, device=device))
@@ -131,7 +137,7 @@ class Transformer(nn.Module):
             angles = torch.outer(pos.float(), self.inv_freq)
             self._rope_cache = (angles.cos().to(dtype), angles.sin().to(dtype))
         cos, sin = self._rope_cache
-        return cos[positions][:, None, :], sin[positions][:, None, :]
+        return cos[positions], sin[positions]
 
     @torch.inference_mode()
     def forward(
@@ -144,14 +150,14 @@ class Transformer(nn.Module):
     ) -> torch.Tensor | None:
         """Returns float32 logits [len(logits_indices), vocab]; None on a tensor-parallel rank
         other than 0 (only rank 0 samples)."""
-        x = embed(input_ids, self.embed_tokens.weight, self.tp)
+        x, residual = embed(input_ids, self.embed_tokens.weight, self.tp), None
         cos, sin = self._rope(positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_cache[i, 0], kv_cache[i, 1], meta)
+            x, residual = layer(x, residual, cos, sin, kv_cache[i, 0], kv_cache[i, 1], meta)
         if logits_indices is not None:
-            x = x[logits_indices]
+            x, residual = x[logits_indices], residual[logits_indices]
         # Only the rows that sample reach the output head: ~20% of a small model's FLOPs.
-        logits = self.lm_head(self.norm(x)).float()
+        logits = self.lm_head(self.norm(x, residual)[0]).float()
         if self.tp.size == 1:
             return logits
         logits = self.tp.gather_vocab(logits)

@@ -1,17 +1,18 @@
 """Kernels leanserve compiles on the machine it runs on, for what PyTorch does not ship.
 
-One today: decode attention over the paged KV cache on the CPU (``paged_decode_attention.cpp``;
-why, in its header). It is built the first time a process asks for it, with the machine's C++
+Two libraries today, each with its reasons in its header: decode attention over the paged KV
+cache on the CPU (``paged_decode_attention.cpp``) and the elementwise work between a decoder
+layer's GEMMs (``layer_ops.cpp``: RMS norm with the residual add, the rotary embedding,
+SiLU-and-multiply). Each is built the first time a process asks for it, with the machine's C++
 compiler (``$CXX``, else ``c++``) against the installed torch, for this CPU's instruction set
 (``-march=native``), and kept in a cache directory (``$LEANSERVE_KERNEL_CACHE``, else
 ``~/.cache/leanserve/kernels``) under a name that hashes everything the build depends on, so a
-second start loads it in milliseconds and a torch upgrade or another CPU builds anew (~7 s on 2
-cores). Without a compiler, or if the build fails, :func:`paged_decode_attention` says so in one
-log line and returns None: the model runner then attends decode rows with gathered keys and
-SDPA, the path every other device takes.
+second start loads it in milliseconds and a torch upgrade or another CPU builds anew (~7 s each
+on 2 cores). Without a compiler, or if a build fails, its loader says so in one log line and
+returns None: the model then runs those parts as PyTorch ops, the path every other device takes.
 
-The .so links the libgomp torch loaded (``-fopenmp``, torch's lib directory as its rpath), so
-its OpenMP threads are torch's own pool, not a second one competing for the cores.
+The .so files link the libgomp torch loaded (``-fopenmp``, torch's lib directory as their rpath),
+so their OpenMP threads are torch's own pool, not a second one competing for the cores.
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("paged_decode_attention.cpp")
+HERE = Path(__file__).parent
+HEADERS = ("vector_math.h",)  # included by the sources: part of every build's hash
 # -f flags: let the compiler reorder float sums (vectorised reductions) without assuming finite
-# values: the kernel's running max starts at -inf.
+# values: attention's running max starts at -inf.
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20", "-fno-math-errno",
          "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math")
 
@@ -47,25 +49,27 @@ def _cpu_signature() -> str:
     return "\n".join(next((ln for ln in lines if ln.startswith(key)), "") for key in ("model name", "flags"))
 
 
-def _compile(compiler: str, target: Path) -> None:
+def _compile(compiler: str, source: Path, target: Path) -> None:
     torch_dir = Path(torch.__file__).parent
     lib = torch_dir / "lib"
     include = torch_dir / "include"
     cmd = [compiler, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-           f"-I{include}", f"-I{include / 'torch/csrc/api/include'}", str(SOURCE), "-o", str(target),
+           f"-I{include}", f"-I{include / 'torch/csrc/api/include'}", str(source), "-o", str(target),
            f"-L{lib}", f"-Wl,-rpath,{lib}", "-lc10", "-ltorch_cpu", "-ltorch"]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr[-4000:]}")
 
 
-def _build(compiler: str) -> Path:
-    """The kernel's shared library, compiled unless the cache has this exact build."""
+def _build(compiler: str, name: str) -> Path:
+    """``name``.cpp's shared library, compiled unless the cache has this exact build."""
+    source = HERE / f"{name}.cpp"
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), *FLAGS, torch.__version__, version,
+    texts = [source.read_text(), *((HERE / h).read_text() for h in HEADERS)]
+    key = hashlib.sha256("\n".join([*texts, *FLAGS, torch.__version__, version,
                                     _cpu_signature()]).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("LEANSERVE_KERNEL_CACHE") or Path.home() / ".cache/leanserve/kernels")
-    target = cache / f"paged_decode_attention-{key}.so"
+    target = cache / f"{name}-{key}.so"
     if not target.exists():
         cache.mkdir(parents=True, exist_ok=True)
         # Built beside the target and renamed into place: processes starting together (data-
@@ -73,26 +77,45 @@ def _build(compiler: str) -> Path:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
         os.close(fd)
         try:
-            _compile(compiler, Path(tmp))
+            _compile(compiler, source, Path(tmp))
             os.replace(tmp, target)
         finally:
             Path(tmp).unlink(missing_ok=True)
     return target
 
 
-@functools.cache  # a process loads the library once: torch's operator registry is per process
+def _load(name: str, what: str, instead: str) -> bool:
+    """Builds (or finds in the cache) and loads ``name``.cpp into torch's operator registry;
+    False, with one warning saying what runs ``instead``, where it cannot."""
+    compiler = os.environ.get("CXX") or "c++"
+    if shutil.which(compiler) is None:
+        log.warning("no C++ compiler (%s) found: %s runs as %s, slower on the CPU (set CXX to a compiler "
+                    "to build leanserve's kernels)", compiler, what, instead)
+        return False
+    try:
+        torch.ops.load_library(str(_build(compiler, name)))
+    except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
+        log.warning("leanserve's CPU kernels for %s did not build (%s); it runs as %s", what,
+                    str(e).splitlines()[0] if str(e) else type(e).__name__, instead)
+        return False
+    return True
+
+
+# Cached: a process loads each library once (torch's operator registry is per process).
+@functools.cache
 def paged_decode_attention() -> Callable | None:
     """``torch.ops.leanserve.paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens,
     scale)`` (CPU, float32 or bfloat16), or None where it cannot be built here."""
-    compiler = os.environ.get("CXX") or "c++"
-    if shutil.which(compiler) is None:
-        log.warning("no C++ compiler (%s) found: decode attention runs as gathered keys + SDPA, "
-                    "slower on the CPU (set CXX to a compiler to build leanserve's kernel)", compiler)
-        return None
-    try:
-        torch.ops.load_library(str(_build(compiler)))
-    except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
-        log.warning("leanserve's CPU decode attention kernel did not build (%s); decode attention "
-                    "runs as gathered keys + SDPA", str(e).splitlines()[0] if str(e) else type(e).__name__)
+    if not _load("paged_decode_attention", "decode attention", "gathered keys + SDPA"):
         return None
     return torch.ops.leanserve.paged_decode_attention
+
+
+@functools.cache
+def layer_ops() -> object | None:
+    """The ``torch.ops.leanserve`` namespace with ``rms_norm``, ``add_rms_norm``, ``rotary_`` and
+    ``silu_and_mul`` (CPU, float32 or bfloat16; see :mod:`leanserve.model.layer_ops`), or None
+    where they cannot be built here."""
+    if not _load("layer_ops", "the norm, rotary and SiLU work between the GEMMs", "PyTorch ops"):
+        return None
+    return torch.ops.leanserve

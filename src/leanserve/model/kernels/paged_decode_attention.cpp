@@ -34,7 +34,12 @@
 #include <limits>
 #include <vector>
 
+#include "vector_math.h"
+
 namespace {
+
+using leanserve::exp_nonpositive;
+using leanserve::widen;
 
 // Tokens a work item attends: long contexts split into partitions so that few rows still keep
 // every thread busy; fixed, so a row's partitions (and its result) do not depend on the batch.
@@ -42,36 +47,6 @@ constexpr int64_t kPartitionTokens = 256;
 constexpr int64_t kMaxHeads = 128;  // query heads
 constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kMaxBlockSize = 256;
-
-inline float widen(float x) { return x; }
-inline float widen(c10::BFloat16 x) {
-  // bf16 is the upper half of a float32: a shift, which the compiler vectorises.
-  uint32_t bits = uint32_t(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-// exp(x) for x <= 0, as float operations a loop over scores vectorises (the C library's expf is
-// a call per element): x = k ln 2 + r with |r| <= ln 2 / 2, exp(r) by its degree-6 Taylor
-// polynomial (relative error below 2e-7 there), times 2^k built in the exponent bits. Inputs
-// below -87 (exp underflows float32; -inf for a first block's running max) give 0.
-inline float exp_nonpositive(float x) {
-  const float clamped = std::max(x, -87.f);
-  const float k = std::floor(clamped * 1.44269504f + 0.5f);
-  const float r = clamped - k * 0.693359375f + k * 2.12194440e-4f;
-  float p = 1.f / 720;
-  p = p * r + 1.f / 120;
-  p = p * r + 1.f / 24;
-  p = p * r + 1.f / 6;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const int32_t bits = (int32_t(k) + 127) << 23;
-  float two_k;
-  std::memcpy(&two_k, &bits, sizeof two_k);
-  return x < -87.f ? 0.f : p * two_k;
-}
 
 template <typename T>
 inline void widen_row(const T* src, float* dst, int64_t n) {

@@ -1,0 +1,59 @@
+// Scalar float helpers the kernels' loops vectorise (each compiles to a few vector instructions
+// per lane, where the C library's expf or c10's conversions are calls or branches per element).
+#pragma once
+
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace leanserve {
+
+inline float widen(float x) { return x; }
+inline float widen(c10::BFloat16 x) {
+  // bf16 is the upper half of a float32: a shift.
+  uint32_t bits = uint32_t(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// float -> T, rounded to nearest even as c10 and every torch op round (NaN stays a NaN).
+template <typename T>
+inline T narrow(float x);
+template <>
+inline float narrow<float>(float x) {
+  return x;
+}
+template <>
+inline c10::BFloat16 narrow<c10::BFloat16>(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  return c10::BFloat16(uint16_t((bits & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : rounded),
+                       c10::BFloat16::from_bits());
+}
+
+// exp(x) for x <= 0: x = k ln 2 + r with |r| <= ln 2 / 2, exp(r) by its degree-6 Taylor
+// polynomial (relative error below 2e-7 there), times 2^k built in the exponent bits. Inputs
+// below -87 (exp underflows float32; -inf included) give 0.
+inline float exp_nonpositive(float x) {
+  const float clamped = std::max(x, -87.f);
+  const float k = std::floor(clamped * 1.44269504f + 0.5f);
+  const float r = clamped - k * 0.693359375f + k * 2.12194440e-4f;
+  float p = 1.f / 720;
+  p = p * r + 1.f / 120;
+  p = p * r + 1.f / 24;
+  p = p * r + 1.f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t bits = (int32_t(k) + 127) << 23;
+  float two_k;
+  std::memcpy(&two_k, &bits, sizeof two_k);
+  return x < -87.f ? 0.f : p * two_k;
+}
+
+}  // namespace leanserve
