@@ -8,8 +8,9 @@ compiler (``$CXX``, else ``c++``) against the installed torch, for this CPU's in
 (``-march=native``), and kept in a cache directory (``$LEANSERVE_KERNEL_CACHE``, else
 ``~/.cache/leanserve/kernels``) under a name that hashes everything the build depends on, so a
 second start loads it in milliseconds and a torch upgrade or another CPU builds anew (~7 s each
-on 2 cores). Without a compiler, or if a build fails, its loader says so in one log line and
-returns None: the model then runs those parts as PyTorch ops, the path every other device takes.
+on 2 cores). Without a compiler (one log line for both), or if a build fails (one for that
+library), its loader returns None: the model then runs those parts as PyTorch ops, the path
+every other device takes.
 
 The .so files link the libgomp torch loaded (``-fopenmp``, torch's lib directory as their rpath),
 so their OpenMP threads are torch's own pool, not a second one competing for the cores.
@@ -84,18 +85,27 @@ def _build(compiler: str, name: str) -> Path:
     return target
 
 
+@functools.cache  # one log line per process, not one per library
+def _compiler(name: str) -> str | None:
+    if shutil.which(name) is None:
+        log.warning("no C++ compiler (%s) found: leanserve's CPU kernels (decode attention; norms, rotary "
+                    "and SiLU) are not built and PyTorch ops run instead, slower on the CPU (set CXX to a "
+                    "compiler to build them)", name)
+        return None
+    return name
+
+
 def _load(name: str, what: str, instead: str) -> bool:
     """Builds (or finds in the cache) and loads ``name``.cpp into torch's operator registry;
-    False, with one warning saying what runs ``instead``, where it cannot."""
-    compiler = os.environ.get("CXX") or "c++"
-    if shutil.which(compiler) is None:
-        log.warning("no C++ compiler (%s) found: %s runs as %s, slower on the CPU (set CXX to a compiler "
-                    "to build leanserve's kernels)", compiler, what, instead)
+    False where it cannot: no compiler (said once for all libraries) or a failed build (said
+    once for this one, with what runs ``instead``)."""
+    compiler = _compiler(os.environ.get("CXX") or "c++")
+    if compiler is None:
         return False
     try:
         torch.ops.load_library(str(_build(compiler, name)))
     except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
-        log.warning("leanserve's CPU kernels for %s did not build (%s); it runs as %s", what,
+        log.warning("leanserve's CPU kernels for %s did not build (%s); %s instead", what,
                     str(e).splitlines()[0] if str(e) else type(e).__name__, instead)
         return False
     return True
@@ -116,6 +126,6 @@ def layer_ops() -> object | None:
     """The ``torch.ops.leanserve`` namespace with ``rms_norm``, ``add_rms_norm``, ``rotary_`` and
     ``silu_and_mul`` (CPU, float32 or bfloat16; see :mod:`leanserve.model.layer_ops`), or None
     where they cannot be built here."""
-    if not _load("layer_ops", "the norm, rotary and SiLU work between the GEMMs", "PyTorch ops"):
+    if not _load("layer_ops", "norms, rotary and SiLU", "PyTorch ops"):
         return None
     return torch.ops.leanserve
