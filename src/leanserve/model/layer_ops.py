@@ -1,11 +1,16 @@
 """The elementwise work of a decoder layer, in one place: RMS norm (alone, and with the residual
 add before it), the rotary embedding, SiLU-and-multiply.
 
-The model's modules call these for that work and nothing else, so its two implementations
-cannot drift apart: PyTorch ops (every device; the reference the tests hold the other to) or
-leanserve's CPU kernels (``kernels/layer_ops.cpp``), which :func:`use_cpu_kernels` switches on
-where they apply and build. Eager PyTorch runs this work as ~60 small ops a layer; the kernels
-as 4 calls, each one pass over its rows (why and what it buys: the .cpp's header).
+The model's modules call these for that work and nothing else, so it has one home and two
+implementations side by side: PyTorch ops (every device) or leanserve's CPU kernels
+(``kernels/layer_ops.cpp``), which :func:`use_cpu_kernels` switches on where they apply and
+build. Eager PyTorch runs this work as ~60 small ops a layer; the kernels as 4 calls, each one
+pass over its rows (why and what it buys: the .cpp's header). The two agree within one rounding
+of the tensor's dtype, and the kernels round where transformers' modules do, which PyTorch's
+fused ``F.rms_norm`` does not quite: it rounds a bf16 norm once, after the weight, where
+transformers' RMSNorm also rounds before it (tests/test_layer_ops.py holds the kernels to both).
+The kernels take what the model hands them: 2-D contiguous rows for the norm with the residual
+and for SiLU-and-multiply, one dtype throughout.
 
 Both keep a pre-norm decoder's residual stream the same way (vLLM's shape): a layer takes the
 stream and the last sub-block's output and returns the next ones; the kernels add and normalise

@@ -36,9 +36,13 @@ log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 HEADERS = ("vector_math.h",)  # included by the sources: part of every build's hash
 # -f flags: let the compiler reorder float sums (vectorised reductions) without assuming finite
-# values: attention's running max starts at -inf.
+# values: attention's running max starts at -inf. Reordering also folds exp_nonpositive's
+# two-part ln 2 into one constant (vector_math.h says what that costs).
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20", "-fno-math-errno",
          "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math")
+# Each library's own flags on top (part of its build's hash): the layer ops round every product
+# as torch's ops do, not fused into an FMA with the sum after it (see layer_ops.cpp).
+LIBRARY_FLAGS = {"paged_decode_attention": (), "layer_ops": ("-ffp-contract=off",)}
 
 
 def _cpu_signature() -> str:
@@ -50,12 +54,12 @@ def _cpu_signature() -> str:
     return "\n".join(next((ln for ln in lines if ln.startswith(key)), "") for key in ("model name", "flags"))
 
 
-def _compile(compiler: str, source: Path, target: Path) -> None:
+def _compile(compiler: str, name: str, target: Path) -> None:
     torch_dir = Path(torch.__file__).parent
     lib = torch_dir / "lib"
     include = torch_dir / "include"
-    cmd = [compiler, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-           f"-I{include}", f"-I{include / 'torch/csrc/api/include'}", str(source), "-o", str(target),
+    cmd = [compiler, *FLAGS, *LIBRARY_FLAGS[name], f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+           f"-I{include}", f"-I{include / 'torch/csrc/api/include'}", str(HERE / f"{name}.cpp"), "-o", str(target),
            f"-L{lib}", f"-Wl,-rpath,{lib}", "-lc10", "-ltorch_cpu", "-ltorch"]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
@@ -67,7 +71,7 @@ def _build(compiler: str, name: str) -> Path:
     source = HERE / f"{name}.cpp"
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     texts = [source.read_text(), *((HERE / h).read_text() for h in HEADERS)]
-    key = hashlib.sha256("\n".join([*texts, *FLAGS, torch.__version__, version,
+    key = hashlib.sha256("\n".join([*texts, *FLAGS, *LIBRARY_FLAGS[name], torch.__version__, version,
                                     _cpu_signature()]).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("LEANSERVE_KERNEL_CACHE") or Path.home() / ".cache/leanserve/kernels")
     target = cache / f"{name}-{key}.so"
@@ -78,7 +82,7 @@ def _build(compiler: str, name: str) -> Path:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
         os.close(fd)
         try:
-            _compile(compiler, source, Path(tmp))
+            _compile(compiler, name, Path(tmp))
             os.replace(tmp, target)
         finally:
             Path(tmp).unlink(missing_ok=True)

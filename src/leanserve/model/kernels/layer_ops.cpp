@@ -12,7 +12,10 @@
 // weight and the product after it; SiLU's output and the product with up; each product of the
 // rotation and their sum). Rows are independent: a row's result never depends on the batch.
 //
-// Built at run time by leanserve/model/kernels/__init__.py, like paged_decode_attention.cpp.
+// Built at run time by leanserve/model/kernels/__init__.py, like paged_decode_attention.cpp, but
+// with -ffp-contract=off: products are rounded where torch's ops round them, never fused with the
+// sum after them into an FMA, so the rotary embedding is bitwise transformers' in float32 too
+// (tested).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -25,14 +28,6 @@
 #include <cstdint>
 
 #include "vector_math.h"
-
-// Products rounded where torch's ops round them, never fused with the sum after them into an FMA:
-// the rotary embedding is then bitwise transformers' in float32 too (tested).
-#if defined(__clang__)
-#pragma clang fp contract(off)
-#elif defined(__GNUC__)
-#pragma GCC optimize("fp-contract=off")
-#endif
 
 namespace {
 
