@@ -39,7 +39,9 @@ using leanserve::widen;
 // calling thread (waking the pool costs more than the work) and a prefill chunk's are spread.
 constexpr int64_t kElementsPerTask = 1 << 15;
 
-inline int64_t grain(int64_t row_elements) { return std::max<int64_t>(1, kElementsPerTask / std::max<int64_t>(row_elements, 1)); }
+inline int64_t grain(int64_t row_elements) {
+  return std::max<int64_t>(1, kElementsPerTask / std::max<int64_t>(row_elements, 1));
+}
 
 // Calls f(T{}) with T the C++ type of dtype: the kernels below are written once for both.
 template <typename F>
