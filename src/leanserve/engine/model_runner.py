@@ -177,7 +177,7 @@ def decode_attention_kernel(backend: str, model: Transformer, kv_cache: KVCache,
         return None
     cfg, dtype = model.config, kv_cache.tensor.dtype
     why_not = (f"runs on the CPU, not {device}" if device.type != "cpu" else
-               f"takes float32 or bfloat16, not {dtype}" if dtype not in (torch.float32, torch.bfloat16) else
+               f"takes float32 or bfloat16, not {dtype}" if dtype not in kernels.DTYPES else
                "takes at most 128 heads of at most 256 dimensions and blocks of at most 256 tokens"
                if cfg.num_heads > 128 or cfg.head_dim > 256 or kv_cache.block_size > 256 else None)
     kernel = kernels.paged_decode_attention() if why_not is None else None

@@ -41,7 +41,7 @@ class LayerOps:
         """(RMSNorm(x + residual), x + residual): the next sub-block's input and the stream."""
         if self.kernels is None:
             residual = x + residual
-            return F.rms_norm(residual, weight.shape, weight, eps), residual
+            return self.rms_norm(residual, weight, eps), residual
         self.kernels.add_rms_norm(x, residual, weight, eps)
         return x, residual
 
@@ -66,6 +66,6 @@ class LayerOps:
 def use_cpu_kernels(ops: LayerOps, device: torch.device, dtype: torch.dtype) -> bool:
     """Routes ``ops`` through leanserve's CPU kernels where they apply (the CPU; float32 or
     bfloat16) and build here, else through PyTorch; returns whether the kernels run."""
-    applies = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+    applies = device.type == "cpu" and dtype in kernels.DTYPES
     ops.kernels = kernels.layer_ops() if applies else None
     return ops.kernels is not None

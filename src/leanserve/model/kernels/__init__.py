@@ -34,10 +34,11 @@ import torch
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-HEADERS = ("vector_math.h",)  # included by the sources: part of every build's hash
+DTYPES = (torch.float32, torch.bfloat16)  # what every kernel here takes (common.h's for_dtype)
+HEADERS = ("common.h",)  # included by the sources: part of every build's hash
 # -f flags: let the compiler reorder float sums (vectorised reductions) without assuming finite
 # values: attention's running max starts at -inf. Reordering also folds exp_nonpositive's
-# two-part ln 2 into one constant (vector_math.h says what that costs).
+# two-part ln 2 into one constant (common.h says what that costs).
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20", "-fno-math-errno",
          "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math")
 # Each library's own flags on top (part of its build's hash): the layer ops round every product

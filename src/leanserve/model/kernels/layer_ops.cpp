@@ -27,11 +27,12 @@
 #include <cmath>
 #include <cstdint>
 
-#include "vector_math.h"
+#include "common.h"
 
 namespace {
 
 using leanserve::exp_nonpositive;
+using leanserve::for_dtype;
 using leanserve::narrow;
 using leanserve::widen;
 
@@ -41,19 +42,6 @@ constexpr int64_t kElementsPerTask = 1 << 15;
 
 inline int64_t grain(int64_t row_elements) {
   return std::max<int64_t>(1, kElementsPerTask / std::max<int64_t>(row_elements, 1));
-}
-
-// Calls f(T{}) with T the C++ type of dtype: the kernels below are written once for both.
-template <typename F>
-void for_dtype(at::ScalarType dtype, const char* op, F&& f) {
-  switch (dtype) {
-    case at::kFloat:
-      return f(float{});
-    case at::kBFloat16:
-      return f(c10::BFloat16{});
-    default:
-      TORCH_CHECK(false, op, ": float32 or bfloat16, got ", dtype);
-  }
 }
 
 template <typename T>

@@ -34,11 +34,12 @@
 #include <limits>
 #include <vector>
 
-#include "vector_math.h"
+#include "common.h"
 
 namespace {
 
 using leanserve::exp_nonpositive;
+using leanserve::for_dtype;
 using leanserve::widen;
 
 // Tokens a work item attends: long contexts split into partitions so that few rows still keep
@@ -351,16 +352,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
               "paged_decode_attention: unsupported shape");
   at::Tensor out = at::empty_like(q);
   if (q.size(0) == 0) return out;
-  switch (q.scalar_type()) {
-    case at::kFloat:
-      run<float>(q, k_cache, v_cache, block_table, seq_lens, scale, out);
-      break;
-    case at::kBFloat16:
-      run<c10::BFloat16>(q, k_cache, v_cache, block_table, seq_lens, scale, out);
-      break;
-    default:
-      TORCH_CHECK(false, "paged_decode_attention: float32 or bfloat16, got ", q.scalar_type());
-  }
+  for_dtype(q.scalar_type(), "paged_decode_attention", [&](auto tag) {
+    run<decltype(tag)>(q, k_cache, v_cache, block_table, seq_lens, scale, out);
+  });
   return out;
 }
 

@@ -1,8 +1,11 @@
-// Scalar float helpers the kernels' loops vectorise (each compiles to a few vector instructions
-// per lane, where the C library's expf or c10's conversions are calls or branches per element).
+// What both kernel libraries share: the dtype dispatch of their entry points, and scalar float
+// helpers their loops vectorise (each compiles to a few vector instructions per lane, where the C
+// library's expf or c10's conversions are calls or branches per element).
 #pragma once
 
+#include <c10/core/ScalarType.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <cmath>
@@ -10,6 +13,20 @@
 #include <cstring>
 
 namespace leanserve {
+
+// Calls f(T{}) with T the C++ type of dtype, so a kernel is written once for both it takes;
+// other dtypes are an error naming the op.
+template <typename F>
+void for_dtype(c10::ScalarType dtype, const char* op, F&& f) {
+  switch (dtype) {
+    case c10::ScalarType::Float:
+      return f(float{});
+    case c10::ScalarType::BFloat16:
+      return f(c10::BFloat16{});
+    default:
+      TORCH_CHECK(false, op, ": float32 or bfloat16, got ", dtype);
+  }
+}
 
 inline float widen(float x) { return x; }
 inline float widen(c10::BFloat16 x) {
