@@ -1,5 +1,6 @@
-"""Decode attention over the paged KV cache against a dense reference: rows gathered (grouped
-or not) into SDPA, or read in place by the CPU kernel (its own cases in test_kernels.py)."""
+"""Attention over the paged KV cache against a dense reference: decode rows gathered (grouped
+or not) into SDPA, or read in place by the CPU kernels (their own cases in test_kernels.py and
+test_prefill_kernel.py), and prefill chunks beside them."""
 
 from __future__ import annotations
 
@@ -179,3 +180,42 @@ def test_a_step_of_two_decode_groups_and_a_prefill_chunk_shares_the_scratch_with
     decode_only = step(slice(0, d), groups, [])
     chunk_only = step(slice(d, None), None, [(0, chunk, context, chunk_ids)])
     assert torch.equal(both[:d], decode_only) and torch.equal(both[d:], chunk_only)
+
+
+def test_a_step_of_decode_rows_and_prefill_chunks_in_the_cpu_kernels_equals_it_through_sdpa():
+    """Decode rows and two chunks (a whole prompt, and a chunk after 200 cached tokens) in one
+    step: by the in-place kernels, each row lands where SDPA over gathered keys puts it."""
+    g = torch.Generator().manual_seed(2)
+    lens = np.array([37, 300, 16])
+    chunks = [(50, 50), (40, 240)]  # (tokens, context after the step)
+    blocks = np.concatenate((-(-lens // BLOCK), [-(-ctx // BLOCK) for _, ctx in chunks]))
+    num_blocks = int(blocks.sum()) + 1
+    k_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, DIM, generator=g)
+    v_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, DIM, generator=g)
+    ids = torch.split(torch.randperm(num_blocks - 1, generator=g) + 1, blocks.tolist())
+    d = len(lens)
+    table = np.zeros((d, blocks[:d].max()), np.int64)
+    for r in range(d):
+        table[r, : blocks[r]] = ids[r]
+    rows = d + sum(n for n, _ in chunks)
+    q = torch.randn(rows, HEADS, DIM, generator=g)
+    k = torch.randn(rows, KV_HEADS, DIM, generator=g)
+    v = torch.randn(rows, KV_HEADS, DIM, generator=g)
+    slots = [torch.as_tensor(table[np.arange(d), (lens - 1) // BLOCK] * BLOCK + (lens - 1) % BLOCK)]
+    prefills, start = [], d
+    for (n, ctx), chunk_ids in zip(chunks, ids[d:]):
+        positions = torch.arange(ctx - n, ctx)
+        slots.append(chunk_ids[positions // BLOCK] * BLOCK + positions % BLOCK)
+        prefills.append((start, n, ctx, chunk_ids))
+        start += n
+    slots = torch.cat(slots)
+
+    def step(**kernels_given):
+        groups = None if kernels_given else decode_groups(table, lens, BLOCK, DecodeMaskTable("cpu"),
+                                                          torch.as_tensor, mask_lone_row=True)
+        meta = AttentionMetadata.build(slots, groups, int(lens.max()), prefills, **kernels_given)
+        return paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, DIM ** -0.5)
+
+    paged = PagedDecode(kernels.paged_decode_attention(), torch.as_tensor(table), torch.as_tensor(lens))
+    got = step(paged_decode=paged, prefill_kernel=kernels.paged_prefill_attention())
+    torch.testing.assert_close(got, step(), atol=2e-6, rtol=2e-6)

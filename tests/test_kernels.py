@@ -1,6 +1,7 @@
 """leanserve's CPU decode attention kernel (model/kernels): built here, against a dense float64
 reference, batch-invariant bit for bit, reading only each row's own blocks; and what happens
-where it, or the layer ops' kernels (tests/test_layer_ops.py), cannot be built."""
+where it, or the other kernels (tests/test_prefill_kernel.py, tests/test_layer_ops.py), cannot
+be built, and which of them the --attention-backend flag takes."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 
 from leanserve.engine.config import EngineConfig
 from leanserve.engine.kv_cache import KVCache
-from leanserve.engine.model_runner import decode_attention_kernel
+from leanserve.engine.model_runner import AttentionKernels, attention_kernels
 from leanserve.model import kernels
 
 
@@ -106,17 +107,19 @@ def test_no_rows_and_bad_arguments(kernel):
 
 
 def test_without_a_compiler_the_kernels_fall_back_with_one_log_line(monkeypatch, tmp_path, caplog):
-    """No compiler: one line for both libraries. A compiler that fails: one line per library,
+    """No compiler: one line for all libraries. A compiler that fails: one line per library,
     saying what runs instead."""
-    loaders = [loader.__wrapped__ for loader in (kernels.paged_decode_attention, kernels.layer_ops)]  # uncached
+    loaders = [loader.__wrapped__ for loader in  # uncached
+               (kernels.paged_decode_attention, kernels.paged_prefill_attention, kernels.layer_ops)]
     monkeypatch.setenv("LEANSERVE_KERNEL_CACHE", str(tmp_path))
     kernels._compiler.cache_clear()  # said once per process: this test must see it said
     for compiler, says in (("no-such-compiler-here", ["no C++ compiler"]),
-                           ("false", ["decode attention did not build", "SiLU did not build"])):
+                           ("false", ["decode attention did not build", "prefill attention did not build",
+                                      "SiLU did not build"])):
         monkeypatch.setenv("CXX", compiler)
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="leanserve.model.kernels"):
-            assert [load() for load in loaders] == [None, None]
+            assert [load() for load in loaders] == [None, None, None]
         assert len(caplog.records) == len(says)
         assert all(s in r.message for s, r in zip(says, caplog.records))
     assert list(tmp_path.iterdir()) == []  # nothing half-built left behind
@@ -129,7 +132,7 @@ def test_the_attention_backend_flag():
         EngineConfig(attention_backend="cpu-paged", device="cuda").validate()
 
     class Config:
-        num_heads, head_dim = 9, 64
+        num_heads, num_kv_heads, head_dim = 9, 3, 64
 
     class Model:
         config = Config()
@@ -137,8 +140,16 @@ def test_the_attention_backend_flag():
     fp16 = KVCache(1, 3, 64, 4, 16, torch.float16, "cpu")
     bf16 = KVCache(1, 3, 64, 4, 16, torch.bfloat16, "cpu")
     cpu = torch.device("cpu")
-    with pytest.raises(ValueError, match="cpu-paged takes float32 or bfloat16"):
-        decode_attention_kernel("cpu-paged", Model(), fp16, cpu)
-    assert decode_attention_kernel("auto", Model(), fp16, cpu) is None  # auto: SDPA where the kernel does not apply
-    assert decode_attention_kernel("sdpa", Model(), bf16, cpu) is None
-    assert decode_attention_kernel("auto", Model(), bf16, cpu) is kernels.paged_decode_attention()
+    with pytest.raises(ValueError, match="cpu-paged decode attention takes float32 or bfloat16"):
+        attention_kernels("cpu-paged", Model(), fp16, cpu)
+    assert attention_kernels("auto", Model(), fp16, cpu) == AttentionKernels()  # auto: SDPA where none applies
+    assert attention_kernels("sdpa", Model(), bf16, cpu) == AttentionKernels()
+    assert attention_kernels("auto", Model(), bf16, cpu) == AttentionKernels(kernels.paged_decode_attention(),
+                                                                             kernels.paged_prefill_attention())
+    # A head size the prefill kernel is not compiled for: auto attends prefill chunks with SDPA,
+    # cpu-paged says why it cannot.
+    Config.head_dim = 40
+    bf16_40 = KVCache(1, 3, 40, 4, 16, torch.bfloat16, "cpu")
+    assert attention_kernels("auto", Model(), bf16_40, cpu) == AttentionKernels(kernels.paged_decode_attention())
+    with pytest.raises(ValueError, match="cpu-paged prefill attention takes 1-8 query heads per KV head of a multiple"):
+        attention_kernels("cpu-paged", Model(), bf16_40, cpu)

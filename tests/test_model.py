@@ -12,7 +12,7 @@ from torch import nn
 
 from leanserve import LLM, SamplingParams
 from leanserve.engine.config import EngineConfig
-from leanserve.model import ModelSpec, load_model
+from leanserve.model import ModelSpec, kernels, load_model
 from leanserve.model.attention import AttentionMetadata
 from leanserve.model.layer_ops import use_cpu_kernels
 from leanserve.model.quant import Int8Linear
@@ -27,14 +27,16 @@ PROMPTS = [
 GREEDY = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
 
 
-def dense_logits(model, ids: list[int]) -> torch.Tensor:
-    """All-position logits of one prompt through our paged attention path (one prefill)."""
+def dense_logits(model, ids: list[int], prefill_kernel=None) -> torch.Tensor:
+    """All-position logits of one prompt through our paged attention path (one prefill; SDPA,
+    or ``prefill_kernel``), its blocks 1, 2, ... of the cache."""
     cfg = model.config
     block = 16
     blocks = -(-len(ids) // block) + 1
     kv = torch.zeros(cfg.num_layers, 2, blocks, block, cfg.num_kv_heads, cfg.head_dim, dtype=model.norm.weight.dtype)
     n = len(ids)
-    meta = AttentionMetadata.build(torch.arange(block, block + n), None, 0, [(0, n, n, None)])
+    meta = AttentionMetadata.build(torch.arange(block, block + n), None, 0, [(0, n, n, torch.arange(1, blocks))],
+                                   prefill_kernel=prefill_kernel)
     return model(torch.tensor(ids), torch.arange(n), kv, meta)
 
 
@@ -56,13 +58,15 @@ def smollm_reference(default_model):
     return AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
 
 
-def test_default_model_logits_match_transformers(default_model, default_tokenizer, smollm_reference):
+@pytest.mark.parametrize("attention", ["sdpa", "cpu-kernel"])
+def test_default_model_logits_match_transformers(default_model, default_tokenizer, smollm_reference, attention):
     ours = load_model(ModelSpec.resolve(default_model, "float32"))
+    kernel = kernels.paged_prefill_attention() if attention == "cpu-kernel" else None
     for text in PROMPTS:
         ids = default_tokenizer.encode(text).tolist()
         with torch.no_grad():
             ref = smollm_reference(torch.tensor([ids])).logits[0]
-        assert (dense_logits(ours, ids) - ref).abs().max().item() < 1e-3
+        assert (dense_logits(ours, ids, kernel) - ref).abs().max().item() < 1e-3
 
 
 def test_default_model_greedy_matches_transformers(default_model, default_tokenizer, smollm_reference):
@@ -105,14 +109,16 @@ def test_tiny_architectures_match_transformers(arch, tiny_model_dir, ops):
     path = tiny_model_dir(arch)
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ours = load_model(ModelSpec.resolve(path, "float32"))
-    if ops == "cpu-kernels":  # norms (q/k norms too), rotary and SiLU in leanserve's kernels
+    kernel = None
+    if ops == "cpu-kernels":  # norms (q/k norms too), rotary, SiLU and attention in leanserve's kernels
         assert use_cpu_kernels(ours.ops, torch.device("cpu"), torch.float32)
+        kernel = kernels.paged_prefill_attention()
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 49000, size=n).tolist() for n in (5, 17, 40)]
     for ids in prompts:
         with torch.no_grad():
             ref_logits = ref(torch.tensor([ids])).logits[0]
-        assert (dense_logits(ours, ids) - ref_logits).abs().max().item() < 1e-3
+        assert (dense_logits(ours, ids, kernel) - ref_logits).abs().max().item() < 1e-3
     with LLM(path, dtype="float32", kv_cache_memory=16 << 20) as llm:
         outs = llm.generate(prompts, GREEDY)
     for ids, out in zip(prompts, outs):

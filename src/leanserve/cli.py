@@ -31,9 +31,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--max-logprobs", type=int, default=20, help="the most logprobs / top_logprobs a request may ask for")
     p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
-                   help="decode attention: cpu-paged, leanserve's CPU kernel reading KV blocks in place (built "
-                        "with the machine's C++ compiler on first use); sdpa, keys gathered then SDPA (every "
-                        "other device); auto (default): cpu-paged where it builds, else sdpa")
+                   help="attention: cpu-paged, leanserve's CPU kernels for decode rows and prefill chunks, "
+                        "reading KV blocks in place (built with the machine's C++ compiler on first use); sdpa, "
+                        "keys gathered then SDPA (every other device); auto (default): each kernel where it "
+                        "applies and builds, else sdpa")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="ranks that hold one model between them (attention heads, KV heads and MLP columns split; "
                         "on CPU each gets cores / N threads)")

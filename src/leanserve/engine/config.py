@@ -19,8 +19,9 @@ from .kv_transfer.config import KVTransferConfig
 log = logging.getLogger("leanserve.engine")
 
 BACKENDS = ("mp", "ray")
-# How decode rows are attended (engine/model_runner.decode_attention_kernel): auto, leanserve's
-# CPU kernel reading blocks in place where it builds, else gathered keys + SDPA; or either.
+# How attention runs (engine/model_runner.attention_kernels): auto, leanserve's CPU kernels for
+# decode rows and prefill chunks, reading blocks in place, where each applies and builds, else
+# SDPA (over gathered keys); or either for everything.
 ATTENTION_BACKENDS = ("auto", "cpu-paged", "sdpa")
 BACKEND_FLAG = "distributed_executor_backend (--distributed-executor-backend)"
 

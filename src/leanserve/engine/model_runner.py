@@ -12,6 +12,7 @@ prefill chunk is one slice.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -168,23 +169,37 @@ def default_pad_shapes(model: Transformer, device: torch.device) -> bool:
     return device.type == "cpu" and model.embed_tokens.weight.dtype in (torch.bfloat16, torch.float16)
 
 
-def decode_attention_kernel(backend: str, model: Transformer, kv_cache: KVCache, device: torch.device):
-    """The kernel that attends decode rows in place (``--attention-backend``, see
-    ``model/kernels``), or None for gathered keys + SDPA. ``auto`` takes the kernel where it
-    applies (the CPU, float32 or bfloat16, shapes within its limits) and builds; ``cpu-paged``
-    raises ValueError where it does not."""
+@dataclass(frozen=True)
+class AttentionKernels:
+    """The kernels attention runs in (``--attention-backend``, see ``model/kernels``); None: SDPA."""
+
+    decode: Callable | None = None  # decode rows, each against its own blocks (PagedDecode)
+    prefill: Callable | None = None  # one prefill chunk against its blocks (AttentionMetadata.prefill_kernel)
+
+
+def attention_kernels(backend: str, model: Transformer, kv_cache: KVCache, device: torch.device) -> AttentionKernels:
+    """leanserve's CPU attention kernels for this model and cache. ``auto`` takes each kernel
+    where it applies (the CPU, float32 or bfloat16, shapes within its limits) and builds, SDPA
+    elsewhere; ``cpu-paged`` raises ValueError where either does not; ``sdpa`` takes none."""
     if backend == "sdpa":
-        return None
+        return AttentionKernels()
     cfg, dtype = model.config, kv_cache.tensor.dtype
     why_not = (f"runs on the CPU, not {device}" if device.type != "cpu" else
-               f"takes float32 or bfloat16, not {dtype}" if dtype not in kernels.DTYPES else
-               "takes at most 128 heads of at most 256 dimensions and blocks of at most 256 tokens"
-               if cfg.num_heads > 128 or cfg.head_dim > 256 or kv_cache.block_size > 256 else None)
-    kernel = kernels.paged_decode_attention() if why_not is None else None
-    if kernel is None and backend == "cpu-paged":
-        raise ValueError(f"attention_backend (--attention-backend): cpu-paged "
-                         f"{why_not or 'did not build here (see the log)'}")
-    return kernel
+               f"takes float32 or bfloat16, not {dtype}" if dtype not in kernels.DTYPES else None)
+    why_not_decode = why_not or ("takes at most 128 heads of at most 256 dimensions and blocks of at most 256 "
+                                 "tokens" if cfg.num_heads > 128 or cfg.head_dim > 256 or kv_cache.block_size > 256
+                                 else None)
+    why_not_prefill = why_not or ("takes 1-8 query heads per KV head of a multiple of 16 dimensions, at most 256"
+                                  if cfg.num_heads // cfg.num_kv_heads > 8 or cfg.head_dim % 16 or cfg.head_dim > 256
+                                  else None)
+    decode = kernels.paged_decode_attention() if why_not_decode is None else None
+    prefill = kernels.paged_prefill_attention() if why_not_prefill is None else None
+    if backend == "cpu-paged":
+        for kernel, why, what in ((decode, why_not_decode, "decode"), (prefill, why_not_prefill, "prefill")):
+            if kernel is None:
+                raise ValueError(f"attention_backend (--attention-backend): cpu-paged {what} attention "
+                                 f"{why or 'did not build here (see the log)'}")
+    return AttentionKernels(decode, prefill)
 
 
 class ModelRunner:
@@ -203,7 +218,7 @@ class ModelRunner:
         self.gather_scratch = GatherScratch()  # every step's layers gather keys and values into it
         self.sampler = Sampler(self.device, seed)
         self.decode_masks = DecodeMaskTable(self.device, dtype=model.embed_tokens.weight.dtype)
-        self.decode_kernel = decode_attention_kernel(attention_backend, model, kv_cache, self.device)
+        self.attention = attention_kernels(attention_backend, model, kv_cache, self.device)
         # Bounded shapes (see model/attention.py): the step's token rows, the rows reaching the
         # output head and each prefill chunk's query rows and key blocks are padded to buckets.
         self.pad_shapes = default_pad_shapes(model, self.device) if pad_shapes is None else pad_shapes
@@ -253,17 +268,18 @@ class ModelRunner:
         pad = self.pad_shapes
         prefills = inp.prefills
         num_rows = inp.num_tokens
-        if pad:
-            # Context block ids padded with the null block (masked), and enough rows after each
-            # chunk for its bucketed query rows.
+        if pad and self.attention.prefill is None:
+            # SDPA's shapes: context block ids padded with the null block (masked), and enough
+            # rows after each chunk for its bucketed query rows. The prefill kernel takes any.
             prefills = [(start, n, ctx, blocks if n == ctx else _padded(blocks, bucket(len(blocks))))
                         for start, n, ctx, blocks in prefills]
             for start, n, _, _ in prefills:
                 num_rows = max(num_rows, start + bucket(n, 16))
+        if pad:
             num_rows = bucket(num_rows)
         paged = groups = None
-        if num_decode and self.decode_kernel is not None:
-            paged = PagedDecode(self.decode_kernel, self._t(inp.decode_block_table).contiguous(),
+        if num_decode and self.attention.decode is not None:
+            paged = PagedDecode(self.attention.decode, self._t(inp.decode_block_table).contiguous(),
                                 self._t(inp.decode_seq_lens).contiguous())
         elif num_decode:
             groups = decode_groups(inp.decode_block_table, inp.decode_seq_lens, bs, self.decode_masks, self._t, pad)
@@ -275,6 +291,7 @@ class ModelRunner:
             bs if pad else None,
             self.gather_scratch,
             paged,
+            self.attention.prefill,
         )
         rows = inp.logits_indices
         extra = [np.arange(r0, r0 + len(t)) for _, r0, t, _ in inp.prompt_logprob_rows]

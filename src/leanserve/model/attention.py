@@ -6,7 +6,8 @@ Decode rows are attended by a kernel that reads each row's blocks in place where
 keys gathered block-wise from the cache, every row's keys padded to the longest context among
 them, or where that would waste most of the work (one long context among short ones) in two
 (:func:`split_decode_rows`). Each prefill chunk is attended on its own (a step holds few of
-them: the token budget bounds it).
+them: the token budget bounds it): by a kernel that reads its blocks in place where one is
+given (``prefill_kernel``), else by SDPA, causal over the chunk or against its gathered context.
 
 Everything that depends only on the batch shape (masks, gathered block ids) is built once per
 step in :class:`AttentionMetadata` and shared by all layers.
@@ -183,6 +184,9 @@ class AttentionMetadata:
     prefills: list[PrefillChunk]
     scratch: GatherScratch  # where the step's layers gather keys and values
     paged_decode: PagedDecode | None = None  # decode rows for an in-place kernel, instead of decode_groups
+    # (q [n, H, Dh], k_cache, v_cache, block_ids [blocks], context_len, scale) -> [n, H, Dh]: a chunk's
+    # rows against its context, read in place; None: SDPA
+    prefill_kernel: Callable | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -199,6 +203,7 @@ class AttentionMetadata:
         block_size: int | None = None,
         scratch: GatherScratch | None = None,
         paged_decode: PagedDecode | None = None,
+        prefill_kernel: Callable | None = None,
     ) -> "AttentionMetadata":
         """``decode_groups`` cover the decode rows (one group without ``rows``, or groups that
         partition them); a group without a mask is a lone decode row attending exactly
@@ -213,7 +218,10 @@ class AttentionMetadata:
         ``scratch``: the gather buffers to reuse (the model runner keeps one for all its steps);
         None: this step's own.
 
-        ``paged_decode``: the decode rows for an in-place kernel, given instead of ``decode_groups``."""
+        ``paged_decode``: the decode rows for an in-place kernel, given instead of ``decode_groups``.
+
+        ``prefill_kernel``: attends each chunk's own rows to the keys of its ``block_ids`` where
+        they lie, every chunk's given (the chunk's own blocks included): no mask, no padding."""
         device = slot_mapping.device
         decode_groups = decode_groups or []
         if any(g.rows is not None and g.mask is None for g in decode_groups):
@@ -225,6 +233,9 @@ class AttentionMetadata:
                       else paged_decode.seq_lens.shape[0])
         chunks = []
         for start, length, context_len, block_ids in prefills:
+            if prefill_kernel is not None:
+                chunks.append(PrefillChunk(start, length, context_len, block_ids, None, length, context_len))
+                continue
             q_len = length if block_size is None else bucket(length, 16)
             if context_len == length:
                 chunks.append(PrefillChunk(start, length, context_len, None, None, q_len, q_len))
@@ -234,7 +245,7 @@ class AttentionMetadata:
             mask = torch.arange(kv_len, device=device)[None, :] <= q_pos[:, None]
             chunks.append(PrefillChunk(start, length, context_len, block_ids, mask, q_len, kv_len))
         return cls(slot_mapping, num_decode, decode_groups, decode_len, chunks,
-                   scratch if scratch is not None else GatherScratch(), paged_decode)
+                   scratch if scratch is not None else GatherScratch(), paged_decode, prefill_kernel)
 
 
 class DecodeMaskTable:
@@ -293,6 +304,10 @@ def paged_attention(
         out[:d] = _decode_attention(q[:d], k_cache, v_cache, meta, scale)
 
     for c in meta.prefills:
+        if meta.prefill_kernel is not None:
+            rows = slice(c.start, c.start + c.length)
+            out[rows] = meta.prefill_kernel(q[rows], k_cache, v_cache, c.block_ids, c.context_len, scale)
+            continue
         # 4-D [1, heads, len, Dh]: given 3-D tensors, CPU SDPA leaves its flash kernel for the math
         # path, ~6x slower at 2,048 tokens (270 vs 45 ms per layer here).
         rows = slice(c.start, c.start + (c.q_len or c.length))

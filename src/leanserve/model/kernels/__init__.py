@@ -1,14 +1,14 @@
 """Kernels leanserve compiles on the machine it runs on, for what PyTorch does not ship.
 
-Two libraries today, each with its reasons in its header: decode attention over the paged KV
-cache on the CPU (``paged_decode_attention.cpp``) and the elementwise work between a decoder
-layer's GEMMs (``layer_ops.cpp``: RMS norm with the residual add, the rotary embedding,
-SiLU-and-multiply). Each is built the first time a process asks for it, with the machine's C++
-compiler (``$CXX``, else ``c++``) against the installed torch, for this CPU's instruction set
-(``-march=native``), and kept in a cache directory (``$LEANSERVE_KERNEL_CACHE``, else
-``~/.cache/leanserve/kernels``) under a name that hashes everything the build depends on, so a
-second start loads it in milliseconds and a torch upgrade or another CPU builds anew (~7 s each
-on 2 cores). Without a compiler (one log line for both), or if a build fails (one for that
+Three libraries today, each with its reasons in its header: attention over the paged KV cache
+on the CPU, for decode rows (``paged_decode_attention.cpp``) and for prefill chunks
+(``paged_prefill_attention.cpp``), and the elementwise work between a decoder layer's GEMMs
+(``layer_ops.cpp``: RMS norm with the residual add, the rotary embedding, SiLU-and-multiply).
+Each is built the first time a process asks for it, with the machine's C++ compiler (``$CXX``,
+else ``c++``) against the installed torch, for this CPU's instruction set (``-march=native``),
+and kept in a cache directory (``$LEANSERVE_KERNEL_CACHE``, else ``~/.cache/leanserve/kernels``)
+under a name that hashes everything the build depends on, so a second start loads it in
+milliseconds and a torch upgrade or another CPU builds anew (~7-10 s each on 2 cores). Without a compiler (one log line for all), or if a build fails (one for that
 library), its loader returns None: the model then runs those parts as PyTorch ops, the path
 every other device takes.
 
@@ -43,7 +43,7 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20", "
          "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math")
 # Each library's own flags on top (part of its build's hash): the layer ops round every product
 # as torch's ops do, not fused into an FMA with the sum after it (see layer_ops.cpp).
-LIBRARY_FLAGS = {"paged_decode_attention": (), "layer_ops": ("-ffp-contract=off",)}
+LIBRARY_FLAGS = {"paged_decode_attention": (), "paged_prefill_attention": (), "layer_ops": ("-ffp-contract=off",)}
 
 
 def _cpu_signature() -> str:
@@ -93,8 +93,8 @@ def _build(compiler: str, name: str) -> Path:
 @functools.cache  # one log line per process, not one per library
 def _compiler(name: str) -> str | None:
     if shutil.which(name) is None:
-        log.warning("no C++ compiler (%s) found: leanserve's CPU kernels (decode attention; norms, rotary "
-                    "and SiLU) are not built and PyTorch ops run instead, slower on the CPU (set CXX to a "
+        log.warning("no C++ compiler (%s) found: leanserve's CPU kernels (attention; norms, rotary and "
+                    "SiLU) are not built and PyTorch ops run instead, slower on the CPU (set CXX to a "
                     "compiler to build them)", name)
         return None
     return name
@@ -124,6 +124,15 @@ def paged_decode_attention() -> Callable | None:
     if not _load("paged_decode_attention", "decode attention", "gathered keys + SDPA"):
         return None
     return torch.ops.leanserve.paged_decode_attention
+
+
+@functools.cache
+def paged_prefill_attention() -> Callable | None:
+    """``torch.ops.leanserve.paged_prefill_attention(q, k_cache, v_cache, block_ids, context_len,
+    scale)`` (CPU, float32 or bfloat16), or None where it cannot be built here."""
+    if not _load("paged_prefill_attention", "prefill attention", "gathered keys + SDPA"):
+        return None
+    return torch.ops.leanserve.paged_prefill_attention
 
 
 @functools.cache

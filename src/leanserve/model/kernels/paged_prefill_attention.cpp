@@ -1,0 +1,291 @@
+// Prefill attention over the paged KV cache, for the CPU: a chunk of one sequence's new tokens,
+// their keys and values already written to the cache, attends causally to every key of its
+// context, read where it lies in the sequence's blocks (no gather, no mask tensor).
+//
+// Why it exists (bench/results/model.md): SDPA's flash kernel ran a 128-token chunk against
+// 1,024 keys of context at ~100 GFLOP/s and a 512-token prompt at ~60 here, more time than the
+// chunk's GEMMs, after a copy of the context out of the cache. This kernel puts 16 tokens in the
+// 16 lanes of a vector: a tile of 16 tokens and the G query heads that share a KV head is G
+// vectors per dimension, so a score is one multiply-add of a key element (broadcast) and a
+// vector of queries, the softmax runs lane by lane (no sum across lanes anywhere), and the
+// weighted sum of values is a multiply-add of a value element and a vector of weights. Each
+// key and value row, read once per tile, serves 16 x G query rows.
+//
+// Numerics: float32 throughout (scores, softmax, the weighted sum), the result rounded once to
+// the cache's dtype. A token's result depends only on its own query and the keys up to its
+// position, taken block by block from the start in a fixed order: the lanes are independent and
+// keys past a token's position weigh exactly 0 in its sums, so a token's output is bitwise the
+// same in any chunk, tile or thread count (tested).
+//
+// Built at run time by leanserve/model/kernels/__init__.py, like paged_decode_attention.cpp.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "common.h"
+
+namespace {
+
+using leanserve::exp_nonpositive;
+using leanserve::for_dtype;
+using leanserve::narrow;
+using leanserve::widen;
+
+constexpr int kLanes = 16;  // tokens in a tile: one float vector (one AVX-512 register)
+typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t vint __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+// Keys scored, weighed and summed in at a time: a block, or 32 of its keys where blocks are larger,
+// so a tile's scores stay in L1.
+constexpr int64_t kKeyTile = 32;
+constexpr int64_t kMaxHeadDim = 256;
+constexpr int kMaxGroup = 8;  // query heads per KV head
+
+inline vfloat load(const float* p) {
+  vfloat v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
+
+inline vfloat vmax(vfloat a, vfloat b) { return a > b ? a : b; }
+
+// common.h's exp_nonpositive, lane by lane (GCC vectorises no loop of the scalar one around these
+// loads and stores): x = k ln 2 + r, exp(r) by its degree-6 Taylor polynomial, 2^k in the
+// exponent bits; k = round(x / ln 2) by truncating x / ln 2 - 1/2 (x <= 0), so |r| <= ln 2 / 2.
+inline vfloat exp_nonpositive(vfloat x) {
+  const vfloat floor = vfloat{} - 87.f;
+  const vfloat clamped = x < floor ? floor : x;
+  const vint k = __builtin_convertvector(clamped * 1.44269504f - 0.5f, vint);
+  const vfloat kf = __builtin_convertvector(k, vfloat);
+  const vfloat r = clamped - kf * 0.693359375f + kf * 2.12194440e-4f;
+  vfloat p = vfloat{} + 1.f / 720;
+  p = p * r + 1.f / 120;
+  p = p * r + 1.f / 24;
+  p = p * r + 1.f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const vfloat two_k = (vfloat)((k + 127) << 23);
+  return x < floor ? vfloat{} : p * two_k;
+}
+
+// Keys per pass of the score loop and value dimensions per pass of the weighted sum, for G query
+// heads per KV head: as many vector accumulators as fit in 32 registers beside the operands.
+constexpr int keys_per_pass(int G) { return G == 1 ? 8 : G <= 3 ? 4 : G <= 6 ? 2 : 1; }
+constexpr int dims_per_pass(int G) { return G == 1 ? 16 : G <= 3 ? 8 : G <= 6 ? 4 : 2; }
+
+// Scores of keys [t, t + KT) for the tile's G query vectors: s[key][g][lane] = q . k.
+// qt [D][G][lanes] are the tile's queries, transposed and scaled; k rows are float32, D apart.
+template <int G, int KT>
+inline void score_keys(const float* qt, const float* k, int64_t D, float* s) {
+  vfloat acc[KT][G] = {};
+  for (int64_t d = 0; d < D; ++d) {
+    vfloat q[G];
+    for (int g = 0; g < G; ++g) q[g] = load(qt + (d * G + g) * kLanes);
+    for (int t = 0; t < KT; ++t) {
+      const float kd = k[t * D + d];
+      for (int g = 0; g < G; ++g) acc[t][g] += kd * q[g];
+    }
+  }
+  for (int t = 0; t < KT; ++t)
+    for (int g = 0; g < G; ++g) store(s + (t * G + g) * kLanes, acc[t][g]);
+}
+
+// A tile's queries and running state, float32, in a thread's scratch memory: qt [D][G][lanes] the
+// queries (transposed, scaled); per query head and lane the max score so far, the sum of
+// exp(score - max), and o [D][G][lanes] the exp-weighted sum of values.
+struct Tile {
+  float* qt;
+  float* o;
+  float* max;
+  float* sum;
+
+  static int64_t floats(int64_t G, int64_t D) { return 2 * (D + 1) * G * kLanes; }
+  Tile(float* scratch, int64_t G, int64_t D)
+      : qt(scratch), o(qt + D * G * kLanes), max(o + D * G * kLanes), sum(max + G * kLanes) {}
+};
+
+// Attends the tile's tokens, at positions first_pos + lane (lanes < valid), to keys [0, end) of
+// the blocks: block by block, each block's keys (for KV head h) widened, scored, masked past a
+// lane's position, folded into the running softmax, and their values summed in.
+template <typename T, int G>
+void attend_tile(Tile tile, const T* k_cache, const T* v_cache, const int64_t* block_ids, int64_t block_size,
+                 int64_t KVH, int64_t D, int64_t h, int64_t first_pos, int64_t end) {
+  constexpr int KT = keys_per_pass(G), DB = dims_per_pass(G);
+  const int64_t token_stride = KVH * D, block_stride = block_size * token_stride;
+  alignas(64) float keys[kKeyTile * kMaxHeadDim];
+  alignas(64) float values[kKeyTile * kMaxHeadDim];
+  alignas(64) float scores[kKeyTile * G * kLanes];
+  alignas(64) float rescale[G * kLanes];
+  vint lane_pos;
+  for (int i = 0; i < kLanes; ++i) lane_pos[i] = int32_t(first_pos + i);
+  for (int i = 0; i < G * kLanes; ++i) {
+    tile.max[i] = -std::numeric_limits<float>::infinity();
+    tile.sum[i] = 0.f;
+  }
+  std::fill(tile.o, tile.o + D * G * kLanes, 0.f);
+
+  for (int64_t start = 0; start < end;) {
+    const int64_t first = start % block_size;
+    const int64_t n = std::min({block_size - first, end - start, kKeyTile});
+    const int64_t base = block_ids[start / block_size] * block_stride + first * token_stride + h * D;
+    for (int64_t t = 0; t < n; ++t) {
+      const T* kr = k_cache + base + t * token_stride;
+      const T* vr = v_cache + base + t * token_stride;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) {
+        keys[t * D + d] = widen(kr[d]);
+        values[t * D + d] = widen(vr[d]);
+      }
+    }
+
+    int64_t t = 0;
+    for (; t + KT <= n; t += KT) score_keys<G, KT>(tile.qt, keys + t * D, D, scores + t * G * kLanes);
+    for (; t < n; ++t) score_keys<G, 1>(tile.qt, keys + t * D, D, scores + t * G * kLanes);
+    if (start + n - 1 > first_pos) {  // keys past some lane's position: they weigh nothing there
+      const vfloat minus_inf = vfloat{} - std::numeric_limits<float>::infinity();
+      for (int64_t k = 0; k < n; ++k) {
+        const vint visible = int32_t(start + k) <= lane_pos;
+        for (int g = 0; g < G; ++g) {
+          float* s = scores + (k * G + g) * kLanes;
+          store(s, visible ? load(s) : minus_inf);
+        }
+      }
+    }
+
+    // Online softmax, lane by lane: a new max rescales what was summed so far.
+    for (int g = 0; g < G; ++g) {
+      const vfloat old_max = load(tile.max + g * kLanes);
+      vfloat max = old_max;
+      for (int64_t k = 0; k < n; ++k) max = vmax(max, load(scores + (k * G + g) * kLanes));
+      vfloat total = {};
+      for (int64_t k = 0; k < n; ++k) {
+        float* s = scores + (k * G + g) * kLanes;
+        const vfloat w = exp_nonpositive(load(s) - max);
+        store(s, w);
+        total += w;
+      }
+      const vfloat r = exp_nonpositive(old_max - max);
+      store(rescale + g * kLanes, r);
+      store(tile.sum + g * kLanes, load(tile.sum + g * kLanes) * r + total);
+      store(tile.max + g * kLanes, max);
+    }
+
+    // o = o * rescale + weights . values, DB dimensions at a time held in registers.
+    vfloat r[G];
+    for (int g = 0; g < G; ++g) r[g] = load(rescale + g * kLanes);
+    for (int64_t d0 = 0; d0 < D; d0 += DB) {
+      vfloat acc[DB][G];
+      for (int j = 0; j < DB; ++j)
+        for (int g = 0; g < G; ++g) acc[j][g] = load(tile.o + ((d0 + j) * G + g) * kLanes) * r[g];
+      for (int64_t k = 0; k < n; ++k) {
+        vfloat w[G];
+        for (int g = 0; g < G; ++g) w[g] = load(scores + (k * G + g) * kLanes);
+        const float* v = values + k * D + d0;
+        for (int j = 0; j < DB; ++j)
+          for (int g = 0; g < G; ++g) acc[j][g] += v[j] * w[g];
+      }
+      for (int j = 0; j < DB; ++j)
+        for (int g = 0; g < G; ++g) store(tile.o + ((d0 + j) * G + g) * kLanes, acc[j][g]);
+    }
+    start += n;
+  }
+}
+
+template <typename T, int G>
+void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_ids,
+         int64_t context_len, double scale, at::Tensor& out) {
+  const int64_t n = q.size(0), D = q.size(2), q_stride = q.stride(0), out_stride = out.stride(0);
+  const int64_t block_size = k_cache.size(1), KVH = k_cache.size(2);
+  const int64_t first_pos = context_len - n;  // the chunk's first token's position
+  const int64_t tiles = (n + kLanes - 1) / kLanes;
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  const int64_t* ids = block_ids.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+  const float fscale = float(scale);
+  const int threads = at::get_num_threads();
+  const int64_t tile_floats = Tile::floats(G, D);
+  std::vector<float> scratch(threads * tile_floats);
+
+  // Work items: (tile, KV head), the last tiles (the most keys) first.
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+  for (int64_t item = 0; item < tiles * KVH; ++item) {
+    const int64_t tile_index = tiles - 1 - item / KVH, h = item % KVH;
+    const int64_t t0 = tile_index * kLanes, valid = std::min<int64_t>(kLanes, n - t0);
+    Tile tile(scratch.data() + omp_get_thread_num() * tile_floats, G, D);
+    // Queries transposed to [D][G][lanes], scaled; lanes past the chunk's end are zeros.
+    std::fill(tile.qt, tile.qt + D * G * kLanes, 0.f);
+    for (int64_t i = 0; i < valid; ++i)
+      for (int g = 0; g < G; ++g) {
+        const T* qr = qp + (t0 + i) * q_stride + (h * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) tile.qt[(d * G + g) * kLanes + i] = widen(qr[d]) * fscale;
+      }
+    attend_tile<T, G>(tile, kp, vp, ids, block_size, KVH, D, h, first_pos + t0, first_pos + t0 + valid);
+    for (int g = 0; g < G; ++g) {
+      alignas(64) float inv[kLanes];
+      for (int i = 0; i < kLanes; ++i) inv[i] = 1.f / tile.sum[g * kLanes + i];
+      for (int64_t i = 0; i < valid; ++i) {
+        T* o = op + (t0 + i) * out_stride + (h * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) o[d] = narrow<T>(tile.o[(d * G + g) * kLanes + i] * inv[i]);
+      }
+    }
+  }
+}
+
+at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                   const at::Tensor& block_ids, int64_t context_len, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "paged_prefill_attention: q [tokens, heads, dim], caches [blocks, block_size, kv_heads, dim]");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "paged_prefill_attention: q's heads and the caches must be contiguous");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "paged_prefill_attention: q and the caches must share a dtype");
+  const int64_t n = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(2), block_size = k_cache.size(1);
+  TORCH_CHECK(block_ids.scalar_type() == at::kLong && block_ids.dim() == 1 && block_ids.is_contiguous(),
+              "paged_prefill_attention: block_ids [blocks], int64");
+  TORCH_CHECK(n <= context_len && context_len <= block_ids.size(0) * block_size,
+              "paged_prefill_attention: the chunk's ", n, " tokens must end its context of ", context_len,
+              " tokens, within its ", block_ids.size(0), " blocks");
+  TORCH_CHECK(k_cache.size(3) == D && H % KVH == 0 && H / KVH <= kMaxGroup && D % kLanes == 0 && D <= kMaxHeadDim,
+              "paged_prefill_attention: takes 1-8 query heads per KV head of a multiple of 16 dimensions, at most 256");
+  at::Tensor out = at::empty({n, H, D}, q.options());
+  if (n == 0) return out;
+  for_dtype(q.scalar_type(), "paged_prefill_attention", [&](auto tag) {
+    using T = decltype(tag);
+    switch (H / KVH) {
+      case 1: return run<T, 1>(q, k_cache, v_cache, block_ids, context_len, scale, out);
+      case 2: return run<T, 2>(q, k_cache, v_cache, block_ids, context_len, scale, out);
+      case 3: return run<T, 3>(q, k_cache, v_cache, block_ids, context_len, scale, out);
+      case 4: return run<T, 4>(q, k_cache, v_cache, block_ids, context_len, scale, out);
+      case 5: return run<T, 5>(q, k_cache, v_cache, block_ids, context_len, scale, out);
+      case 6: return run<T, 6>(q, k_cache, v_cache, block_ids, context_len, scale, out);
+      case 7: return run<T, 7>(q, k_cache, v_cache, block_ids, context_len, scale, out);
+      default: return run<T, 8>(q, k_cache, v_cache, block_ids, context_len, scale, out);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(leanserve, m) {
+  m.def("paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_ids, int context_len, "
+        "float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(leanserve, CPU, m) { m.impl("paged_prefill_attention", &paged_prefill_attention); }
