@@ -73,8 +73,8 @@ def gemm_gflops(dtype, quantization: str, m: int, k: int = 576, n: int = 1536, r
 
 
 def forward_ms(model, batch: int, context: int, prefill: int = 0, reps: int = 5, attention: str = "auto") -> float:
-    """``attention``: decode rows in leanserve's CPU kernel where it builds (auto, the engine's
-    default) or gathered into SDPA (sdpa)."""
+    """``attention``: decode rows and the prefill in leanserve's CPU kernels where they build
+    (auto, the engine's default) or in SDPA (sdpa)."""
     from leanserve.model import kernels
     from leanserve.model.attention import AttentionMetadata, DecodeMaskTable, PagedDecode, decode_groups
 
@@ -85,7 +85,8 @@ def forward_ms(model, batch: int, context: int, prefill: int = 0, reps: int = 5,
     tables = torch.arange(1, nblocks).view(batch, per_seq)
     if prefill:
         n = prefill
-        meta = AttentionMetadata.build(torch.arange(bs, bs + n), None, 0, [(0, n, n, None)])
+        kernel = kernels.paged_prefill_attention() if attention == "auto" else None
+        meta = AttentionMetadata.build(torch.arange(bs, bs + n), None, 0, [(0, n, n, tables[0])], prefill_kernel=kernel)
         args = (torch.randint(0, 40000, (n,)), torch.arange(n), kv, meta, torch.tensor([n - 1]))
     else:
         pos = torch.full((batch,), context - 1)

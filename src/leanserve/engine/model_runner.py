@@ -214,6 +214,8 @@ class ModelRunner:
         self.kv = kv_cache
         self.device = torch.device(device)
         prepack_linears(model, self.device)  # bf16 on the CPU: weights in the GEMM's layout, once
+        if self.device.type == "cpu" and model.embed_tokens.weight.dtype in kernels.DTYPES:
+            kernels.load_all()  # built together, not one after another where each is first asked for
         use_cpu_kernels(model.ops, self.device, model.embed_tokens.weight.dtype)  # norms, rotary, SiLU
         self.gather_scratch = GatherScratch()  # every step's layers gather keys and values into it
         self.sampler = Sampler(self.device, seed)
