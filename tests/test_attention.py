@@ -219,3 +219,5 @@ def test_a_step_of_decode_rows_and_prefill_chunks_in_the_cpu_kernels_equals_it_t
     paged = PagedDecode(kernels.paged_decode_attention(), torch.as_tensor(table), torch.as_tensor(lens))
     got = step(paged_decode=paged, prefill_kernel=kernels.paged_prefill_attention())
     torch.testing.assert_close(got, step(), atol=2e-6, rtol=2e-6)
+    with pytest.raises(ValueError, match="needs every chunk's block ids"):  # SDPA's whole-prompt form
+        AttentionMetadata.build(slots, None, 0, [(d, 50, 50, None)], prefill_kernel=kernels.paged_prefill_attention())

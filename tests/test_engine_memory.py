@@ -88,9 +88,10 @@ def test_bucket_is_small_close_and_monotonic():
     assert len({bucket(n, 16) for n in range(1, 2049)}) <= 40
 
 
-def test_bf16_step_shapes_are_bounded(tiny):
+@pytest.mark.parametrize("backend", ["sdpa", "auto"])  # SDPA's shapes; leanserve's CPU kernels take any
+def test_bf16_step_shapes_are_bounded(tiny, backend):
     config = EngineConfig(model=tiny, dtype="bfloat16", kv_cache_memory=32 << 20, max_num_seqs=32,
-                          max_num_batched_tokens=512)
+                          max_num_batched_tokens=512, attention_backend=backend)
     core = EngineCore.from_config(config.resolve())
     assert core.runner.pad_shapes
     log = ShapeLog()
@@ -100,8 +101,9 @@ def test_bf16_step_shapes_are_bounded(tiny):
     buckets = {bucket(n) for n in range(1025)}  # a step may pad a little past its token budget
     assert rows <= buckets, sorted(rows - buckets)
     assert distinct_steps > 10  # the traffic did vary the step's size
-    # Decode attention is SDPA over whole blocks; no batched matmul whose shape follows the batch.
+    # Decode attention is SDPA over whole blocks, or the kernel; no batched matmul whose shape follows the batch.
     assert not log.matmul
+    assert bool(log.sdpa) == (backend == "sdpa")
     q_lens = {bucket(n, 16) for n in range(1, 513)}
     for batch, heads, q_len, kv_len in log.sdpa:
         assert kv_len % 16 == 0, (batch, heads, q_len, kv_len)  # whole (bucketed) blocks
@@ -109,11 +111,14 @@ def test_bf16_step_shapes_are_bounded(tiny):
             assert q_len in q_lens
 
 
-def test_padding_leaves_outputs_unchanged(tiny):
+@pytest.mark.parametrize("backend", ["sdpa", "auto"])
+def test_padding_leaves_outputs_unchanged(tiny, backend):
     """fp32 (no padding by default) with padding forced on: the same greedy tokens and the same
-    prompt logprobs, over chunked prefill, prefix hits, n > 1 and decode."""
+    prompt logprobs, over chunked prefill, prefix hits, n > 1 and decode, in SDPA (chunks padded
+    to bucketed rows and blocks) and in leanserve's CPU kernels (only the step's rows padded)."""
     def run(pad: bool):
-        config = EngineConfig(model=tiny, dtype="float32", kv_cache_memory=32 << 20, max_num_batched_tokens=128)
+        config = EngineConfig(model=tiny, dtype="float32", kv_cache_memory=32 << 20, max_num_batched_tokens=128,
+                              attention_backend=backend)
         core = EngineCore.from_config(config.resolve())
         core.runner.pad_shapes = pad
         tokens: dict[int, list[int]] = {}

@@ -108,21 +108,28 @@ def test_no_rows_and_bad_arguments(kernel):
 
 def test_without_a_compiler_the_kernels_fall_back_with_one_log_line(monkeypatch, tmp_path, caplog):
     """No compiler: one line for all libraries. A compiler that fails: one line per library,
-    saying what runs instead."""
+    saying why (the compiler's own error) and what runs instead."""
     loaders = [loader.__wrapped__ for loader in  # uncached
                (kernels.paged_decode_attention, kernels.paged_prefill_attention, kernels.layer_ops)]
-    monkeypatch.setenv("LEANSERVE_KERNEL_CACHE", str(tmp_path))
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("LEANSERVE_KERNEL_CACHE", str(cache))
+    failing = tmp_path / "failing-c++"  # answers --version, then fails every build with an error line
+    failing.write_text('#!/bin/sh\n[ "$1" = --version ] && { echo "failing-c++ 1.0"; exit 0; }\n'
+                       'echo "kernel.cpp:1:1: error: no such intrinsic" >&2\nexit 1\n')
+    failing.chmod(0o755)
     kernels._compiler.cache_clear()  # said once per process: this test must see it said
     for compiler, says in (("no-such-compiler-here", ["no C++ compiler"]),
-                           ("false", ["decode attention did not build", "prefill attention did not build",
-                                      "SiLU did not build"])):
+                           (str(failing), ["decode attention did not build", "prefill attention did not build",
+                                           "SiLU did not build"])):
         monkeypatch.setenv("CXX", compiler)
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="leanserve.model.kernels"):
+            kernels.build_together(tuple(kernels.LIBRARY_FLAGS))  # side by side; the loaders then say what failed
             assert [load() for load in loaders] == [None, None, None]
         assert len(caplog.records) == len(says)
         assert all(s in r.message for s, r in zip(says, caplog.records))
-    assert list(tmp_path.iterdir()) == []  # nothing half-built left behind
+    assert all("error: no such intrinsic" in r.message for r in caplog.records)
+    assert not cache.exists() or list(cache.iterdir()) == []  # nothing half-built left behind
 
 
 def test_the_attention_backend_flag():
@@ -151,5 +158,5 @@ def test_the_attention_backend_flag():
     Config.head_dim = 40
     bf16_40 = KVCache(1, 3, 40, 4, 16, torch.bfloat16, "cpu")
     assert attention_kernels("auto", Model(), bf16_40, cpu) == AttentionKernels(kernels.paged_decode_attention())
-    with pytest.raises(ValueError, match="cpu-paged prefill attention takes 1-8 query heads per KV head of a multiple"):
+    with pytest.raises(ValueError, match="cpu-paged prefill attention takes heads of a multiple of 16 dimensions"):
         attention_kernels("cpu-paged", Model(), bf16_40, cpu)

@@ -49,9 +49,10 @@ def reference(q, k_cache, v_cache, ids, context, scale):
     return torch.einsum("hnk,khd->nhd", scores.softmax(-1), v)
 
 
-# Query heads per KV head 3, 1, 8, 2; dims 64, 128, 16, 96; blocks within the kernel's 32-key
-# tiles and larger (cut into them).
-SHAPES = [(9, 3, 64, 16), (4, 4, 128, 32), (16, 2, 16, 64), (6, 3, 96, 16)]
+# Query heads per KV head 3, 1, 8, 2, and more than the 8 a work item takes (12 in groups of 6;
+# 11, a prime, one by one); dims 64, 128, 16, 96, 32; blocks within the kernel's 32-key tiles
+# and larger (cut into them).
+SHAPES = [(9, 3, 64, 16), (4, 4, 128, 32), (16, 2, 16, 64), (6, 3, 96, 16), (24, 2, 64, 16), (11, 1, 32, 16)]
 
 
 @pytest.mark.parametrize("heads,kv_heads,dim,block", SHAPES)
@@ -120,7 +121,9 @@ def test_no_tokens_and_bad_arguments(kernel):
         kernel(q.bfloat16(), k_cache, v_cache, ids, 40, 0.1)
     with pytest.raises(RuntimeError, match="int64"):
         kernel(q, k_cache, v_cache, ids.int(), 40, 0.1)
-    with pytest.raises(RuntimeError, match="1-8 query heads per KV head"):
-        kernel(torch.randn(40, 27, 64), k_cache, v_cache, ids, 40, 0.1)  # 9 per KV head
+    with pytest.raises(RuntimeError, match="a whole number of query heads per KV head"):
+        kernel(torch.randn(40, 10, 64), k_cache, v_cache, ids, 40, 0.1)
+    with pytest.raises(RuntimeError, match="block id 99 at 1 is not one of the cache's"):
+        kernel(q, k_cache, v_cache, torch.tensor([ids[0].item(), 99, ids[2].item()]), 40, 0.1)
     with pytest.raises(RuntimeError, match="a multiple of 16 dimensions"):
         kernel(q[..., :40].contiguous(), k_cache[..., :40].contiguous(), v_cache[..., :40].contiguous(), ids, 40, 0.1)

@@ -189,9 +189,8 @@ def attention_kernels(backend: str, model: Transformer, kv_cache: KVCache, devic
     why_not_decode = why_not or ("takes at most 128 heads of at most 256 dimensions and blocks of at most 256 "
                                  "tokens" if cfg.num_heads > 128 or cfg.head_dim > 256 or kv_cache.block_size > 256
                                  else None)
-    why_not_prefill = why_not or ("takes 1-8 query heads per KV head of a multiple of 16 dimensions, at most 256"
-                                  if cfg.num_heads // cfg.num_kv_heads > 8 or cfg.head_dim % 16 or cfg.head_dim > 256
-                                  else None)
+    why_not_prefill = why_not or ("takes heads of a multiple of 16 dimensions, at most 256"
+                                  if cfg.head_dim % 16 or cfg.head_dim > 256 else None)
     decode = kernels.paged_decode_attention() if why_not_decode is None else None
     prefill = kernels.paged_prefill_attention() if why_not_prefill is None else None
     if backend == "cpu-paged":
@@ -215,14 +214,17 @@ class ModelRunner:
         self.device = torch.device(device)
         prepack_linears(model, self.device)  # bf16 on the CPU: weights in the GEMM's layout, once
         if self.device.type == "cpu" and model.embed_tokens.weight.dtype in kernels.DTYPES:
-            kernels.load_all()  # built together, not one after another where each is first asked for
+            # Built side by side, not one after another where each is first asked for.
+            kernels.build_together(("layer_ops",) if attention_backend == "sdpa" else
+                                   ("layer_ops", "paged_decode_attention", "paged_prefill_attention"))
         use_cpu_kernels(model.ops, self.device, model.embed_tokens.weight.dtype)  # norms, rotary, SiLU
         self.gather_scratch = GatherScratch()  # every step's layers gather keys and values into it
         self.sampler = Sampler(self.device, seed)
         self.decode_masks = DecodeMaskTable(self.device, dtype=model.embed_tokens.weight.dtype)
         self.attention = attention_kernels(attention_backend, model, kv_cache, self.device)
         # Bounded shapes (see model/attention.py): the step's token rows, the rows reaching the
-        # output head and each prefill chunk's query rows and key blocks are padded to buckets.
+        # output head and, in SDPA, each prefill chunk's query rows and key blocks are padded to
+        # buckets.
         self.pad_shapes = default_pad_shapes(model, self.device) if pad_shapes is None else pad_shapes
 
     def _t(self, a: np.ndarray) -> torch.Tensor:

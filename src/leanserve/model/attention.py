@@ -22,7 +22,8 @@ fragmenting the heap: the engine grew by 1.36 GB over 600 mixed requests here. S
 padding on (``block_size`` given to :meth:`AttentionMetadata.build`; the model runner's
 ``pad_shapes``), prefill chunks attend a bucketed number of query rows (see :func:`bucket`)
 and whole, bucketed key blocks; decode rows always attend whole blocks, in SDPA, whose
-kernels do not depend on the number of rows.
+kernels do not depend on the number of rows. leanserve's own CPU kernels (``paged_decode``,
+``prefill_kernel``) compile nothing per shape: their rows and keys go unpadded.
 """
 
 from __future__ import annotations
@@ -52,10 +53,12 @@ class PrefillChunk:
     start: int  # first row of the chunk in the flat batch
     length: int  # tokens in the chunk
     context_len: int  # tokens in the cache after this step (prior context + chunk)
-    block_ids: torch.Tensor | None  # blocks holding the context; None when the chunk is the whole context
-    mask: torch.Tensor | None  # [q_len, kv_len] bool, None when plain causal over the chunk
-    q_len: int = 0  # query rows attended (>= length: padded with the rows after the chunk)
-    kv_len: int = 0  # keys attended: context_len, or whole blocks (padded ones masked)
+    # Blocks holding the context; for SDPA None when the chunk is the whole context (attended over
+    # its own keys), for the prefill kernel always given
+    block_ids: torch.Tensor | None
+    mask: torch.Tensor | None  # [q_len, kv_len] bool for SDPA; None when plain causal over the chunk, or the kernel
+    q_len: int = 0  # query rows attended (>= length in SDPA: padded with the rows after the chunk)
+    kv_len: int = 0  # keys attended: context_len, or in SDPA whole blocks (padded ones masked)
 
 
 @dataclass
@@ -210,7 +213,7 @@ class AttentionMetadata:
         ``decode_len`` keys (a new shape per length); ``decode_len`` the longest decode context;
         ``prefills`` holds (start, length, context_len, block_ids) per chunk.
 
-        ``block_size`` set: shapes are bucketed. Each chunk attends ``bucket(length, 16)`` query
+        ``block_size`` set: SDPA's shapes are bucketed. Each chunk attends ``bucket(length, 16)`` query
         rows, the chunk's and those after it in the flat batch (the caller provides them; their
         outputs are dropped), and a chunk with context attends every key of its ``block_ids``
         (the caller may pad them with the null block), masked beyond its context.
@@ -234,6 +237,9 @@ class AttentionMetadata:
         chunks = []
         for start, length, context_len, block_ids in prefills:
             if prefill_kernel is not None:
+                if block_ids is None:
+                    raise ValueError("prefills: the prefill kernel needs every chunk's block ids, its own "
+                                     "blocks included")
                 chunks.append(PrefillChunk(start, length, context_len, block_ids, None, length, context_len))
                 continue
             q_len = length if block_size is None else bucket(length, 16)

@@ -8,9 +8,11 @@ Each is built the first time a process asks for it, with the machine's C++ compi
 else ``c++``) against the installed torch, for this CPU's instruction set (``-march=native``),
 and kept in a cache directory (``$LEANSERVE_KERNEL_CACHE``, else ``~/.cache/leanserve/kernels``)
 under a name that hashes everything the build depends on, so a second start loads it in
-milliseconds and a torch upgrade or another CPU builds anew (~7-10 s each on 2 cores). Without a compiler (one log line for all), or if a build fails (one for that
-library), its loader returns None: the model then runs those parts as PyTorch ops, the path
-every other device takes.
+milliseconds and a torch upgrade or another CPU builds anew (~7-10 s each on 2 cores; the model
+runner builds the ones it needs side by side, :func:`build_together`). Without a compiler (one
+log line for all), or if a build fails (one for that library), its loader returns None: the
+model then runs those parts as PyTorch ops (SDPA for attention), the path every other device
+takes.
 
 The .so files link the libgomp torch loaded (``-fopenmp``, torch's lib directory as their rpath),
 so their OpenMP threads are torch's own pool, not a second one competing for the cores.
@@ -43,8 +45,10 @@ HEADERS = ("common.h",)  # included by the sources: part of every build's hash
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20", "-fno-math-errno",
          "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math")
 # Each library's own flags on top (part of its build's hash): the layer ops round every product
-# as torch's ops do, not fused into an FMA with the sum after it (see layer_ops.cpp).
-LIBRARY_FLAGS = {"paged_decode_attention": (), "paged_prefill_attention": (), "layer_ops": ("-ffp-contract=off",)}
+# as torch's ops do, not fused into an FMA with the sum after it (see layer_ops.cpp); the prefill
+# kernel's sums keep the source's order, which its chunking invariance rests on.
+LIBRARY_FLAGS = {"paged_decode_attention": (), "paged_prefill_attention": ("-fno-associative-math",),
+                 "layer_ops": ("-ffp-contract=off",)}
 
 
 def _cpu_signature() -> str:
@@ -65,7 +69,9 @@ def _compile(compiler: str, name: str, target: Path) -> None:
            f"-L{lib}", f"-Wl,-rpath,{lib}", "-lc10", "-ltorch_cpu", "-ltorch"]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr[-4000:]}")
+        log.debug("%s failed:\n%s", " ".join(cmd), result.stderr)
+        errors = [line for line in result.stderr.splitlines() if "error" in line]
+        raise RuntimeError(errors[0] if errors else f"{compiler} exited with status {result.returncode}")
 
 
 def _build(compiler: str, name: str) -> Path:
@@ -111,8 +117,10 @@ def _load(name: str, what: str, instead: str) -> bool:
     try:
         torch.ops.load_library(str(_build(compiler, name)))
     except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
-        log.warning("leanserve's CPU kernels for %s did not build (%s); %s instead", what,
-                    str(e).splitlines()[0] if str(e) else type(e).__name__, instead)
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if e.__cause__ is not None:  # torch's "Could not load this library" wraps the loader's own reason
+            why += f": {e.__cause__}"
+        log.warning("leanserve's CPU kernels for %s did not build (%s); %s instead", what, why, instead)
         return False
     return True
 
@@ -146,13 +154,23 @@ def layer_ops() -> object | None:
     return torch.ops.leanserve
 
 
-def load_all() -> None:
-    """Builds and loads every library at once, each compiler its own process: where none is built
-    yet (a first start), 14 s here against 25 s one after another (2 cores). Each loader's
-    answer (a kernel, or None and its log line) is then cached as if it had been called alone."""
-    if _compiler(os.environ.get("CXX") or "c++") is None:  # said once, here
+def build_together(names: tuple[str, ...]) -> None:
+    """Builds the named libraries (keys of ``LIBRARY_FLAGS``) that are not in the cache yet, each
+    compiler its own process, so the loaders then find them built: on a first start the three
+    took 14 s here against 25 s one after another (2 cores). Only the builds run side by side:
+    each loader loads its library in the caller's thread (``torch.ops.load_library`` sets the
+    process's dlopen flags and puts them back, which threads at once could leave changed). A
+    build that fails here is tried again by its loader, which says why."""
+    compiler = _compiler(os.environ.get("CXX") or "c++")  # no compiler: said once, here
+    if compiler is None or len(names) < 2:
         return
-    loaders = (paged_decode_attention, paged_prefill_attention, layer_ops)
-    with ThreadPoolExecutor(len(loaders)) as pool:
-        for _ in pool.map(lambda load: load(), loaders):
+
+    def build(name: str) -> None:
+        try:
+            _build(compiler, name)
+        except (OSError, RuntimeError, subprocess.CalledProcessError):
+            pass
+
+    with ThreadPoolExecutor(len(names)) as pool:
+        for _ in pool.map(build, names):
             pass

@@ -1,4 +1,4 @@
-// What both kernel libraries share: the dtype dispatch of their entry points, and scalar float
+// What the kernel libraries share: the dtype dispatch of their entry points, and scalar float
 // helpers their loops vectorise (each compiles to a few vector instructions per lane, where the C
 // library's expf or c10's conversions are calls or branches per element).
 #pragma once

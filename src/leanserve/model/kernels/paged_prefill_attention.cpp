@@ -2,11 +2,11 @@
 // their keys and values already written to the cache, attends causally to every key of its
 // context, read where it lies in the sequence's blocks (no gather, no mask tensor).
 //
-// Why it exists (bench/results/model.md): SDPA's flash kernel ran a 128-token chunk against
-// 1,024 keys of context at ~100 GFLOP/s and a 512-token prompt at ~60 here, more time than the
+// Why it exists (bench/results/prefill_kernel_serve.md): SDPA's flash kernel ran a 128-token chunk
+// against 1,024 keys of context at ~110 GFLOP/s and a 512-token prompt at ~70 here, more time than the
 // chunk's GEMMs, after a copy of the context out of the cache. This kernel puts 16 tokens in the
-// 16 lanes of a vector: a tile of 16 tokens and the G query heads that share a KV head is G
-// vectors per dimension, so a score is one multiply-add of a key element (broadcast) and a
+// 16 lanes of a vector: a tile of 16 tokens and the G query heads that share a KV head (up to 8
+// at a time) is G vectors per dimension, so a score is one multiply-add of a key element (broadcast) and a
 // vector of queries, the softmax runs lane by lane (no sum across lanes anywhere), and the
 // weighted sum of values is a multiply-add of a value element and a vector of weights. Each
 // key and value row, read once per tile, serves 16 x G query rows. With bf16 caches on CPUs
@@ -21,7 +21,9 @@
 // order: lanes are independent and keys past a token's position weigh exactly 0 in its sums,
 // so a token's output is bitwise the same in any chunk, tile or thread count (tested).
 //
-// Built at run time by leanserve/model/kernels/__init__.py, like paged_decode_attention.cpp.
+// Built at run time by leanserve/model/kernels/__init__.py, like paged_decode_attention.cpp but
+// with -fno-associative-math: the compiler may not reorder a float sum, so its order (the
+// invariance above) is the source's, not the optimiser's.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -46,7 +48,6 @@
 
 namespace {
 
-using leanserve::exp_nonpositive;
 using leanserve::for_dtype;
 using leanserve::narrow;
 using leanserve::widen;
@@ -59,7 +60,9 @@ typedef int32_t vint __attribute__((vector_size(kLanes * sizeof(int32_t))));
 // so a tile's scores stay in L1.
 constexpr int64_t kKeyTile = 32;
 constexpr int64_t kMaxHeadDim = 256;
-constexpr int kMaxGroup = 8;  // query heads per KV head
+// Query heads attended together over a KV head's keys: G, or where more share a KV head (e.g.
+// multi-query attention) the largest divisor of G up to this, each sub-group its own work item.
+constexpr int kMaxGroup = 8;
 
 inline vfloat load(const float* p) {
   vfloat v;
@@ -206,7 +209,8 @@ void score_block(const float* qt, const T* keys, int64_t token_stride, int64_t n
   int64_t t = 0;
   if constexpr (kPairedDot<T>) {
     const auto* qp = reinterpret_cast<const uint32_t*>(qt);
-    for (; t + KT <= n; t += KT) score_keys_bf16<G, KT>(qp, keys + t * token_stride, token_stride, D, s + t * G * kLanes);
+    for (; t + KT <= n; t += KT)
+      score_keys_bf16<G, KT>(qp, keys + t * token_stride, token_stride, D, s + t * G * kLanes);
     for (; t < n; ++t) score_keys_bf16<G, 1>(qp, keys + t * token_stride, token_stride, D, s + t * G * kLanes);
   } else {
     alignas(64) float k[kKeyTile * kMaxHeadDim];
@@ -266,7 +270,7 @@ struct Tile {
 };
 
 // Attends the tile's tokens, at positions first_pos + lane (lanes < valid), to keys [0, end) of
-// the blocks, for KV head h: block by block (32 keys at most at a time), the keys scored, scaled
+// the blocks for KV head h: block by block (32 keys at most at a time), the keys scored, scaled
 // and masked past each lane's position, folded into the running softmax, their values summed in.
 template <typename T, int G>
 void attend_tile(Tile tile, const T* k_cache, const T* v_cache, const int64_t* block_ids, int64_t block_size,
@@ -325,10 +329,11 @@ void attend_tile(Tile tile, const T* k_cache, const T* v_cache, const int64_t* b
   }
 }
 
+// G is the number of query heads a work item takes (a sub-group of the heads sharing a KV head).
 template <typename T, int G>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_ids,
          int64_t context_len, double scale, at::Tensor& out) {
-  const int64_t n = q.size(0), D = q.size(2), q_stride = q.stride(0), out_stride = out.stride(0);
+  const int64_t n = q.size(0), H = q.size(1), D = q.size(2), q_stride = q.stride(0), out_stride = out.stride(0);
   const int64_t block_size = k_cache.size(1), KVH = k_cache.size(2);
   const int64_t first_pos = context_len - n;  // the chunk's first token's position
   const int64_t tiles = (n + kLanes - 1) / kLanes;
@@ -342,10 +347,12 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   const int64_t tile_floats = Tile::floats(G, D);
   std::vector<float> scratch(threads * tile_floats);
 
-  // Work items: (tile, KV head), the last tiles (the most keys) first.
+  const int64_t groups = H / G;  // work items per tile; query heads [j G, j G + G) read KV head j G / (H / KVH)
+
+  // Work items: (tile, group of query heads), the last tiles (the most keys) first.
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-  for (int64_t item = 0; item < tiles * KVH; ++item) {
-    const int64_t tile_index = tiles - 1 - item / KVH, h = item % KVH;
+  for (int64_t item = 0; item < tiles * groups; ++item) {
+    const int64_t tile_index = tiles - 1 - item / groups, group = item % groups, h = group * G / (H / KVH);
     const int64_t t0 = tile_index * kLanes, valid = std::min<int64_t>(kLanes, n - t0);
     Tile tile(scratch.data() + omp_get_thread_num() * tile_floats, G, D);
     // Queries transposed to [D][G][lanes] (float32, or pairs of bf16 dimensions where
@@ -353,11 +360,12 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
     std::fill(tile.qt, tile.qt + D * G * kLanes, 0.f);
     for (int64_t i = 0; i < valid; ++i)
       for (int g = 0; g < G; ++g) {
-        const T* qr = qp + (t0 + i) * q_stride + (h * G + g) * D;
+        const T* qr = qp + (t0 + i) * q_stride + (group * G + g) * D;
         if constexpr (kPairedDot<T>) {
-          auto* pairs = reinterpret_cast<uint32_t*>(tile.qt);
-          for (int64_t d = 0; d < D; d += 2)
-            pairs[(d / 2 * G + g) * kLanes + i] = uint32_t(qr[d].x) | uint32_t(qr[d + 1].x) << 16;
+          for (int64_t d = 0; d < D; d += 2) {  // two bf16 in the 32 bits of a float's slot
+            const uint32_t pair = uint32_t(qr[d].x) | uint32_t(qr[d + 1].x) << 16;
+            std::memcpy(tile.qt + (d / 2 * G + g) * kLanes + i, &pair, sizeof pair);
+          }
         } else {
           for (int64_t d = 0; d < D; ++d) tile.qt[(d * G + g) * kLanes + i] = widen(qr[d]);
         }
@@ -367,7 +375,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
       alignas(64) float inv[kLanes];
       for (int i = 0; i < kLanes; ++i) inv[i] = 1.f / tile.sum[g * kLanes + i];
       for (int64_t i = 0; i < valid; ++i) {
-        T* o = op + (t0 + i) * out_stride + (h * G + g) * D;
+        T* o = op + (t0 + i) * out_stride + (group * G + g) * D;
         for (int64_t d = 0; d < D; ++d) o[d] = narrow<T>(tile.o[(d * G + g) * kLanes + i] * inv[i]);
       }
     }
@@ -388,13 +396,22 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   TORCH_CHECK(n <= context_len && context_len <= block_ids.size(0) * block_size,
               "paged_prefill_attention: the chunk's ", n, " tokens must end its context of ", context_len,
               " tokens, within its ", block_ids.size(0), " blocks");
-  TORCH_CHECK(k_cache.size(3) == D && H % KVH == 0 && H / KVH <= kMaxGroup && D % kLanes == 0 && D <= kMaxHeadDim,
-              "paged_prefill_attention: takes 1-8 query heads per KV head of a multiple of 16 dimensions, at most 256");
+  TORCH_CHECK(k_cache.size(3) == D && H % KVH == 0 && D % kLanes == 0 && D <= kMaxHeadDim,
+              "paged_prefill_attention: takes heads of a multiple of 16 dimensions, at most 256, a whole number of "
+              "query heads per KV head");
+  TORCH_CHECK(context_len < (int64_t(1) << 31), "paged_prefill_attention: contexts below 2^31 tokens");
+  const int64_t* ids = block_ids.data_ptr<int64_t>();
+  const int64_t used = (context_len + block_size - 1) / block_size, num_blocks = k_cache.size(0);
+  for (int64_t b = 0; b < used; ++b)
+    TORCH_CHECK(0 <= ids[b] && ids[b] < num_blocks, "paged_prefill_attention: block id ", ids[b], " at ", b,
+                " is not one of the cache's ", num_blocks, " blocks");
   at::Tensor out = at::empty({n, H, D}, q.options());
   if (n == 0) return out;
+  int group = kMaxGroup;  // query heads a work item takes: the largest divisor of H / KVH up to kMaxGroup
+  while ((H / KVH) % group) --group;
   for_dtype(q.scalar_type(), "paged_prefill_attention", [&](auto tag) {
     using T = decltype(tag);
-    switch (H / KVH) {
+    switch (group) {
       case 1: return run<T, 1>(q, k_cache, v_cache, block_ids, context_len, scale, out);
       case 2: return run<T, 2>(q, k_cache, v_cache, block_ids, context_len, scale, out);
       case 3: return run<T, 3>(q, k_cache, v_cache, block_ids, context_len, scale, out);
