@@ -53,6 +53,21 @@ inline c10::BFloat16 narrow<c10::BFloat16>(float x) {
                        c10::BFloat16::from_bits());
 }
 
+// exp(x - k ln 2), the part of exp_nonpositive below its 2^k, for float or a vector of floats
+// (paged_prefill_attention.cpp's lane-wise exp): r = x - k ln 2 with ln 2 in two parts, then the
+// degree-6 Taylor polynomial of exp(r) by Horner's rule.
+template <typename V>
+inline V exp_reduced(V x, V k) {
+  const V r = x - k * 0.693359375f + k * 2.12194440e-4f;
+  V p = V{} + 1.f / 720;
+  p = p * r + 1.f / 120;
+  p = p * r + 1.f / 24;
+  p = p * r + 1.f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  return p * r + 1.f;
+}
+
 // exp(x) for x <= 0: x = k ln 2 + r with |r| <= ln 2 / 2, exp(r) by its degree-6 Taylor
 // polynomial, times 2^k built in the exponent bits. Relative error below 2.5e-7, or ~4e-6 near
 // x = -80 where -fassociative-math (the kernels' build) folds the two parts of ln 2 into one
@@ -61,14 +76,7 @@ inline c10::BFloat16 narrow<c10::BFloat16>(float x) {
 inline float exp_nonpositive(float x) {
   const float clamped = std::max(x, -87.f);
   const float k = std::floor(clamped * 1.44269504f + 0.5f);
-  const float r = clamped - k * 0.693359375f + k * 2.12194440e-4f;
-  float p = 1.f / 720;
-  p = p * r + 1.f / 120;
-  p = p * r + 1.f / 24;
-  p = p * r + 1.f / 6;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
+  const float p = exp_reduced(clamped, k);
   const int32_t bits = (int32_t(k) + 127) << 23;
   float two_k;
   std::memcpy(&two_k, &bits, sizeof two_k);

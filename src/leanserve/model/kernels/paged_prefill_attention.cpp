@@ -75,21 +75,13 @@ inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
 inline vfloat vmax(vfloat a, vfloat b) { return a > b ? a : b; }
 
 // common.h's exp_nonpositive, lane by lane (GCC vectorises no loop of the scalar one around these
-// loads and stores): x = k ln 2 + r, exp(r) by its degree-6 Taylor polynomial, 2^k in the
-// exponent bits; k = round(x / ln 2) by truncating x / ln 2 - 1/2 (x <= 0), so |r| <= ln 2 / 2.
+// loads and stores), the same exp_reduced times 2^k in the exponent bits; k = round(x / ln 2) by
+// truncating x / ln 2 - 1/2 (x <= 0), so |r| <= ln 2 / 2.
 inline vfloat exp_nonpositive(vfloat x) {
   const vfloat floor = vfloat{} - 87.f;
   const vfloat clamped = x < floor ? floor : x;
   const vint k = __builtin_convertvector(clamped * 1.44269504f - 0.5f, vint);
-  const vfloat kf = __builtin_convertvector(k, vfloat);
-  const vfloat r = clamped - kf * 0.693359375f + kf * 2.12194440e-4f;
-  vfloat p = vfloat{} + 1.f / 720;
-  p = p * r + 1.f / 120;
-  p = p * r + 1.f / 24;
-  p = p * r + 1.f / 6;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
+  const vfloat p = leanserve::exp_reduced(clamped, __builtin_convertvector(k, vfloat));
   const vfloat two_k = (vfloat)((k + 127) << 23);
   return x < floor ? vfloat{} : p * two_k;
 }
