@@ -6,12 +6,18 @@ weight once to multiply it by a few rows reads and writes it once more before th
 weight at start-up (``torch.ops.mkldnn._reorder_linear_weight``) and multiplying with
 ``torch.ops.mkldnn._linear_pointwise`` skips the reorder; it is what Inductor's weight
 prepacking calls when it freezes a model, used here in eager mode. The kernel is the same, so
-the products are bitwise those of ``F.linear`` at every row count (``tests/test_prepack.py``
-checks this on the machine it runs on), and batch invariance is what it was.
+the products are bitwise those of ``F.linear`` at every row count on a CPU without AMX, and up
+to one 16-row tile on one with AMX; past it oneDNN blocks its sums by the layout the weight was
+packed for (F.linear's is packed anew for each call's rows), so there the two agree to within a
+bf16 rounding, each deterministic (``tests/test_prepack.py`` checks which holds on the machine
+it runs on). Batch invariance is what it was: a bf16 row's result depends on the rows beside it
+in either.
 
 Measured here (AMD EPYC, AVX512-BF16, 2 threads, the default model's shapes, weights cycled so
 they come from memory): 1.24-1.59x faster at one row (the 576 -> 49,152 output head 3.44 -> 2.29
-ms), 1.7-1.8x at 8 rows, 1.22-1.41x at 64, ~1.05-1.1x at 512-2,048.
+ms), 1.7-1.8x at 8 rows, 1.22-1.41x at 64, ~1.05-1.1x at 512-2,048. On a 2-core Xeon with AMX
+(weights in the caches): 1.6x at one row (the head 1.88 -> 1.12 ms), 1.6-2.2x at 8-64 rows,
+1.0-1.4x at 192-512.
 
 Only where the packed op exists for the weights' dtype: bf16 on a CPU with oneDNN bf16 support.
 float32 stays on ``F.linear``: its packed kernels (MKL's or oneDNN's) differ from it in the last
