@@ -110,7 +110,8 @@ def test_without_a_compiler_the_kernels_fall_back_with_one_log_line(monkeypatch,
     """No compiler: one line for all libraries. A compiler that fails: one line per library,
     saying why (the compiler's own error) and what runs instead."""
     loaders = [loader.__wrapped__ for loader in  # uncached
-               (kernels.paged_decode_attention, kernels.paged_prefill_attention, kernels.layer_ops)]
+               (kernels.paged_decode_attention, kernels.paged_prefill_attention, kernels.layer_ops,
+                kernels.amx_linear)]
     cache = tmp_path / "cache"
     monkeypatch.setenv("LEANSERVE_KERNEL_CACHE", str(cache))
     failing = tmp_path / "failing-c++"  # answers --version, then fails every build with an error line
@@ -120,12 +121,12 @@ def test_without_a_compiler_the_kernels_fall_back_with_one_log_line(monkeypatch,
     kernels._compiler.cache_clear()  # said once per process: this test must see it said
     for compiler, says in (("no-such-compiler-here", ["no C++ compiler"]),
                            (str(failing), ["decode attention did not build", "prefill attention did not build",
-                                           "SiLU did not build"])):
+                                           "SiLU did not build", "linear layers on AMX did not build"])):
         monkeypatch.setenv("CXX", compiler)
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="leanserve.model.kernels"):
             kernels.build_together(tuple(kernels.LIBRARY_FLAGS))  # side by side; the loaders then say what failed
-            assert [load() for load in loaders] == [None, None, None]
+            assert [load() for load in loaders] == [None] * 4
         assert len(caplog.records) == len(says)
         assert all(s in r.message for s, r in zip(says, caplog.records))
     assert all("error: no such intrinsic" in r.message for r in caplog.records)

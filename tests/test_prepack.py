@@ -1,5 +1,7 @@
-"""bf16 linear weights packed in oneDNN's layout (model/prepack.py): the same products as
-``F.linear``, bit for bit, wherever the runner packs them; left alone wherever it does not."""
+"""bf16 linear weights packed once (model/prepack.py): in oneDNN's layout the same products as
+``F.linear``, bit for bit (past one 16-row tile on AMX, to within a rounding); in the layout of
+oneDNN's AMX micro-kernel (kernels/amx_linear.cpp), to within a rounding; left alone wherever
+the runner does not pack."""
 
 from __future__ import annotations
 
@@ -10,9 +12,9 @@ from torch import nn
 
 from leanserve import LLM, SamplingParams
 from leanserve.engine import model_runner
-from leanserve.model import ModelSpec, load_model
+from leanserve.model import ModelSpec, kernels, load_model
 from leanserve.model.int4 import Int4Linear
-from leanserve.model.prepack import PackedLinear, packs, prepack_linears
+from leanserve.model.prepack import AmxLinear, PackedLinear, packs, prepack_linears
 
 from .test_int4 import write_tiny_q4
 from .test_model import dense_logits
@@ -27,34 +29,106 @@ def test_bf16_packs_on_this_cpu_exactly_where_onednn_has_bf16():
     assert not packs(CPU, torch.float32) and not packs(torch.device("cuda"), torch.bfloat16)
 
 
+def test_prepack_picks_the_layout_of_this_cpu():
+    """AMX's layout on a CPU with AMX (a layer of an odd input width keeps oneDNN's), else
+    oneDNN's where it has bf16, else nothing."""
+    model = nn.Sequential(nn.Linear(64, 96, dtype=torch.bfloat16), nn.Linear(95, 64, dtype=torch.bfloat16))
+    assert prepack_linears(model, CPU) == (2 if PACKS else 0)
+    want = (AmxLinear if AMX else PackedLinear, PackedLinear) if PACKS else (nn.Linear, nn.Linear)
+    assert tuple(type(m) for m in model) == want
+
+
+def test_without_the_amx_kernel_weights_are_packed_for_onednn(monkeypatch):
+    """Where the AMX kernel cannot be built (no compiler: its loader says so and returns None)."""
+    monkeypatch.setattr(kernels, "amx_linear", lambda: None)
+    model = nn.Sequential(nn.Linear(64, 96, dtype=torch.bfloat16))
+    assert prepack_linears(model, CPU) == (1 if PACKS else 0)
+    assert type(model[0]) is (PackedLinear if PACKS else nn.Linear)
+
+
+@pytest.mark.skipif(not PACKS, reason="oneDNN has no bf16 on this CPU: nothing is packed")
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 3, 17, 64, 300])
 def test_packed_products_are_f_linear_bit_for_bit(rows, bias):
-    """The default model's shapes (a tall head among them) at decode and prefill row counts: the
-    row counts where bf16 F.linear itself changes kernels are covered (its rows differ from the
-    one-row result from 17 rows up on some CPUs). On a CPU with AMX, past one 16-row tile,
-    oneDNN blocks its sums by the layout the weight was packed for: F.linear's weight, packed
-    anew for each call's rows, and the weight packed once for one row give sums in another
-    order (seen from 64 rows on a Xeon), each deterministic; there they agree to within a bf16
-    rounding of the products' magnitudes."""
+    """oneDNN's packed weights (the layout on CPUs without AMX), the default model's shapes (a tall
+    head among them) at decode and prefill row counts: the row counts where bf16 F.linear itself
+    changes kernels are covered (its rows differ from the one-row result from 17 rows up on some
+    CPUs). On a CPU with AMX, past one 16-row tile, oneDNN blocks its sums by the layout the
+    weight was packed for: F.linear's weight, packed anew for each call's rows, and the weight
+    packed once for one row give sums in another order (seen from 64 rows on a Xeon), each
+    deterministic; there they agree to within a bf16 rounding of the products' magnitudes."""
     torch.manual_seed(rows)
     for k, n in ((576, 960), (1536, 576), (576, 4096)):
         lin = nn.Linear(k, n, bias=bias, dtype=torch.bfloat16)
         x = torch.randn(rows, k, dtype=torch.bfloat16)
-        model = nn.Sequential(lin)
         want = F.linear(x, lin.weight, lin.bias)
-        assert prepack_linears(model, CPU) == (1 if PACKS else 0)
-        assert isinstance(model[0], PackedLinear if PACKS else nn.Linear)
+        packed = PackedLinear(lin)
         with torch.inference_mode():
-            got = model(x)
-            assert torch.equal(model(x), got)
-        if AMX and PACKS and rows > 16:
-            magnitude = x.float().abs() @ lin.weight.float().abs().T
-            if bias:
-                magnitude += lin.bias.float().abs()
-            assert ((got.float() - want.float()).abs() <= magnitude * 2**-7).all()
+            got = packed(x)
+            assert torch.equal(packed(x), got)
+        if AMX and rows > 16:
+            assert ((got.float() - want.float()).abs() <= magnitudes(x, lin) * 2**-7).all()
         else:
             assert torch.equal(got, want)
+
+
+def magnitudes(x: torch.Tensor, lin: nn.Linear) -> torch.Tensor:
+    """|x| |W|^T (+ |b|): the scale of each product's sum, which bounds its rounding errors."""
+    out = x.float().abs() @ lin.weight.float().abs().T
+    return out + lin.bias.float().abs() if lin.bias is not None else out
+
+
+@pytest.mark.skipif(not AMX, reason="AMX's layout is packed on CPUs with AMX only")
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 2, 3, 17, 64, 300, 600])
+def test_amx_products_are_f_linear_to_within_a_rounding(rows, bias):
+    """kernels/amx_linear.cpp: one row in its own loop, more in oneDNN's AMX micro-kernel (600:
+    three calls of up to 256 rows), against float64 and F.linear. The shapes: the default model's
+    (a tall head among them), a width that is not a multiple of the 32-feature blocks, an odd
+    number of input pairs (70 features) for the one-row loop's tail."""
+    torch.manual_seed(rows)
+    for k, n in ((576, 960), (1536, 576), (576, 4096), (576, 100), (70, 40)):
+        lin = nn.Linear(k, n, bias=bias, dtype=torch.bfloat16)
+        x = torch.randn(rows, k, dtype=torch.bfloat16)
+        ref = x.double() @ lin.weight.double().T + (lin.bias.double() if bias else 0)
+        want = F.linear(x, lin.weight, lin.bias)
+        amx = AmxLinear(lin, kernels.amx_linear())
+        with torch.inference_mode():
+            got = amx(x)
+            assert torch.equal(amx(x), got)
+        scale = magnitudes(x, lin)
+        # One rounding to bf16 (half a unit in the last of its 8 bits) plus float32 sums of k terms.
+        assert ((got.double() - ref).abs() <= ref.abs() * 2**-8 + scale * k * 2**-23).all()
+        assert ((got.float() - want.float()).abs() <= scale * 2**-7).all()
+
+
+@pytest.mark.skipif(not AMX, reason="AMX's layout is packed on CPUs with AMX only")
+def test_amx_linear_takes_any_leading_shape_and_strided_rows():
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 96, bias=True, dtype=torch.bfloat16)
+    amx = AmxLinear(lin, kernels.amx_linear())
+    qkv = torch.randn(2, 5, 3 * 64, dtype=torch.bfloat16)
+    x = qkv[..., 64:128]  # a strided view, as a slice of a fused projection is
+    with torch.inference_mode():
+        got = amx(x)
+        assert got.shape == (2, 5, 96)
+        assert torch.equal(got, amx(x.contiguous()))
+        assert ((got.float() - F.linear(x, lin.weight, lin.bias).float()).abs() <= magnitudes(x, lin) * 2**-7).all()
+
+
+@pytest.mark.skipif(not AMX, reason="AMX's layout is packed on CPUs with AMX only")
+def test_amx_linear_refuses_what_it_cannot_compute():
+    lin = nn.Linear(64, 40, bias=True, dtype=torch.bfloat16)
+    amx = AmxLinear(lin, kernels.amx_linear())
+    op, x = kernels.amx_linear(), torch.randn(3, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="amx_linear: bfloat16 input and weight"):
+        op(x.float(), amx.packed, amx.bias, 40)
+    with pytest.raises(RuntimeError, match=r"amx_linear: weight packed as \[N / 32, K / 2, 32, 2\] for an input of 62"):
+        op(x[:, :62], amx.packed, amx.bias, 40)
+    with pytest.raises(RuntimeError, match="amx_linear: 65 output features do not fit 2 blocks of 32"):
+        op(x, amx.packed, amx.bias, 65)
+    with pytest.raises(RuntimeError, match="amx_linear: bias float32, padded to the blocks' 64 features"):
+        op(x, amx.packed, lin.bias, 40)
 
 
 @pytest.mark.parametrize("arch,tied", [("llama", True), ("qwen2", False)])  # qwen2: q/k/v biases
@@ -89,7 +163,7 @@ def test_the_engine_packs_its_bf16_model_and_decodes_as_it_would_unpacked(tiny_m
 
     def run() -> tuple[bool, list]:
         with LLM(path, dtype="bfloat16", kv_cache_memory=16 << 20) as llm:
-            packed = any(isinstance(m, PackedLinear) for m in llm.engine.runner.model.modules())
+            packed = any(isinstance(m, (PackedLinear, AmxLinear)) for m in llm.engine.runner.model.modules())
             outs = [o.outputs[0] for o in llm.generate(prompts, params)]
         return packed, [(list(o.token_ids), o.logprobs) for o in outs]
 

@@ -22,7 +22,7 @@ from ..model import kernels
 from ..model.attention import (AttentionMetadata, DecodeMaskTable, GatherScratch, PagedDecode, bucket,
                                decode_groups)
 from ..model.layer_ops import use_cpu_kernels
-from ..model.prepack import prepack_linears
+from ..model.prepack import packs_for_amx, prepack_linears
 from ..model.transformer import Transformer
 from .batch_state import BatchState, blocks_needed
 from .kv_cache import KVCache
@@ -212,11 +212,12 @@ class ModelRunner:
         self.grammar_bitmask = grammar_bitmask
         self.kv = kv_cache
         self.device = torch.device(device)
-        prepack_linears(model, self.device)  # bf16 on the CPU: weights in the GEMM's layout, once
         if self.device.type == "cpu" and model.embed_tokens.weight.dtype in kernels.DTYPES:
             # Built side by side, not one after another where each is first asked for.
-            kernels.build_together(("layer_ops",) if attention_backend == "sdpa" else
-                                   ("layer_ops", "paged_decode_attention", "paged_prefill_attention"))
+            kernels.build_together(("layer_ops",) + (() if attention_backend == "sdpa" else
+                                                     ("paged_decode_attention", "paged_prefill_attention"))
+                                   + (("amx_linear",) if packs_for_amx(model, self.device) else ()))
+        prepack_linears(model, self.device)  # bf16 on the CPU: weights in the GEMM's layout, once
         use_cpu_kernels(model.ops, self.device, model.embed_tokens.weight.dtype)  # norms, rotary, SiLU
         self.gather_scratch = GatherScratch()  # every step's layers gather keys and values into it
         self.sampler = Sampler(self.device, seed)

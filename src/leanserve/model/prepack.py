@@ -19,6 +19,19 @@ ms), 1.7-1.8x at 8 rows, 1.22-1.41x at 64, ~1.05-1.1x at 512-2,048. On a 2-core 
 (weights in the caches): 1.6x at one row (the head 1.88 -> 1.12 ms), 1.6-2.2x at 8-64 rows,
 1.0-1.4x at 192-512.
 
+On a CPU with AMX the weights are packed instead in the layout of oneDNN's AMX micro-kernel,
+one that is not opaque (:class:`AmxLinear`, ``kernels/amx_linear.cpp``): one row, a batch-1
+decode step, runs in leanserve's own loop, a prefetched stream over the weights, and more rows
+in that micro-kernel (``at::native::cpublas::brgemm``). The default model's 121 GEMMs of a
+step, in a step's order, on a 2-core Xeon: 1.45x oneDNN's matmul at one row (its weights
+streamed at ~17 GB/s, the loop's at 25, the rate of a plain read of the same bytes there),
+1.24-1.27x at 2-64 rows (the micro-kernel without the matmul's per-call work), 1.11x at 192,
+0.97x at 512. Served at concurrency 1 (128-token prompts): 49.1 -> 68.7 output tok/s, TPOT
+19.9 -> 14.2 ms; 1.08x at 64 (``bench/results/amx_linear_serve.md``). Its sums are in another
+order than F.linear's: the same to within a bf16 rounding. Where the kernel cannot be built,
+oneDNN's packing as above; CPUs without AMX keep it too (the micro-kernel runs there, but its
+speed against the matmul is not measured).
+
 Only where the packed op exists for the weights' dtype: bf16 on a CPU with oneDNN bf16 support.
 float32 stays on ``F.linear``: its packed kernels (MKL's or oneDNN's) differ from it in the last
 bits at one row, so packing it would change the model's numbers. CUDA never packs: cuBLAS takes
@@ -30,7 +43,10 @@ another module shares it (a tied output head keeps the embedding's table).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from . import kernels
 
 
 def packs(device: torch.device, dtype: torch.dtype) -> bool:
@@ -59,13 +75,55 @@ class PackedLinear(nn.Module):
         return f"{self.in_features} -> {self.out_features}, weight packed for oneDNN"
 
 
+class AmxLinear(nn.Module):
+    """``nn.Linear``'s product on a CPU with AMX, its weight packed once for oneDNN's AMX
+    micro-kernel: ``[N / 32, K / 2, 32, 2]``, pairs of input features interleaved in blocks of 32
+    output features, the last block padded with zeros. ``kernels/amx_linear.cpp`` computes one row
+    with its own prefetched loop and more with the micro-kernel, both over this one copy."""
+
+    BLOCK = 32
+
+    def __init__(self, linear: nn.Linear, op):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.op = op
+        blocks = -(-self.out_features // self.BLOCK)
+        padding = blocks * self.BLOCK - self.out_features
+        weight = F.pad(linear.weight.detach(), (0, 0, 0, padding))
+        packed = weight.view(blocks, self.BLOCK, self.in_features // 2, 2).transpose(1, 2).contiguous()
+        self.register_buffer("packed", packed, persistent=False)
+        # float32, as the kernel adds it before its one rounding to bf16 (oneDNN does the same)
+        bias = None if linear.bias is None else F.pad(linear.bias.detach().float(), (0, padding))
+        self.register_buffer("bias", bias, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.op(x, self.packed, self.bias, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features} -> {self.out_features}, weight packed for AMX"
+
+
+def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    return [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+            if type(child) is nn.Linear]
+
+
+def packs_for_amx(model: nn.Module, device: torch.device) -> bool:
+    """Whether :func:`prepack_linears` packs ``model``'s linear layers for :class:`AmxLinear`: bf16
+    on a CPU with AMX (where the kernel builds: the runner builds it beside the others first)."""
+    linears = _linears(model)
+    return bool(linears) and packs(device, linears[0][2].weight.dtype) and torch.cpu._is_amx_tile_supported()
+
+
 def prepack_linears(model: nn.Module, device: torch.device) -> int:
-    """Replaces every ``nn.Linear`` of ``model`` by a :class:`PackedLinear` where :func:`packs`;
+    """Replaces every ``nn.Linear`` of ``model`` by an :class:`AmxLinear` on a CPU with AMX (a
+    layer of an odd input width excepted), else a :class:`PackedLinear`, where :func:`packs`;
     returns how many it replaced (0 elsewhere). Quantized layers (int8, int4) are left alone."""
-    linears = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-               if type(child) is nn.Linear]
+    linears = _linears(model)
     if not linears or not packs(device, linears[0][2].weight.dtype):
         return 0
+    amx = kernels.amx_linear() if packs_for_amx(model, device) else None
     for parent, name, child in linears:
-        setattr(parent, name, PackedLinear(child))
+        setattr(parent, name, AmxLinear(child, amx) if amx is not None and child.in_features % 2 == 0
+                else PackedLinear(child))
     return len(linears)

@@ -1,9 +1,10 @@
 """Kernels leanserve compiles on the machine it runs on, for what PyTorch does not ship.
 
-Three libraries today, each with its reasons in its header: attention over the paged KV cache
+Four libraries today, each with its reasons in its header: attention over the paged KV cache
 on the CPU, for decode rows (``paged_decode_attention.cpp``) and for prefill chunks
-(``paged_prefill_attention.cpp``), and the elementwise work between a decoder layer's GEMMs
-(``layer_ops.cpp``: RMS norm with the residual add, the rotary embedding, SiLU-and-multiply).
+(``paged_prefill_attention.cpp``), the elementwise work between a decoder layer's GEMMs
+(``layer_ops.cpp``: RMS norm with the residual add, the rotary embedding, SiLU-and-multiply),
+and, on CPUs with AMX, the bf16 linear layers themselves (``amx_linear.cpp``).
 Each is built the first time a process asks for it, with the machine's C++ compiler (``$CXX``,
 else ``c++``) against the installed torch, for this CPU's instruction set (``-march=native``),
 and kept in a cache directory (``$LEANSERVE_KERNEL_CACHE``, else ``~/.cache/leanserve/kernels``)
@@ -48,7 +49,7 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20", "
 # as torch's ops do, not fused into an FMA with the sum after it (see layer_ops.cpp); the prefill
 # kernel's sums keep the source's order, which its chunking invariance rests on.
 LIBRARY_FLAGS = {"paged_decode_attention": (), "paged_prefill_attention": ("-fno-associative-math",),
-                 "layer_ops": ("-ffp-contract=off",)}
+                 "layer_ops": ("-ffp-contract=off",), "amx_linear": ()}
 
 
 def _cpu_signature() -> str:
@@ -152,6 +153,16 @@ def layer_ops() -> object | None:
     if not _load("layer_ops", "norms, rotary and SiLU", "PyTorch ops"):
         return None
     return torch.ops.leanserve
+
+
+@functools.cache
+def amx_linear() -> Callable | None:
+    """``torch.ops.leanserve.amx_linear(x, weight, bias, out_features)`` (bf16 linear layers over
+    weights packed for oneDNN's AMX micro-kernel, :mod:`leanserve.model.prepack`), or None where
+    it cannot be built here. Only for CPUs with AMX."""
+    if not _load("amx_linear", "linear layers on AMX", "oneDNN's packed weights"):
+        return None
+    return torch.ops.leanserve.amx_linear
 
 
 def build_together(names: tuple[str, ...]) -> None:
