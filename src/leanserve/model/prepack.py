@@ -23,10 +23,9 @@ On a CPU with AMX the weights are packed instead in the layout of oneDNN's AMX m
 one that is not opaque (:class:`AmxLinear`, ``kernels/amx_linear.cpp``): one row, a batch-1
 decode step, runs in leanserve's own loop, a prefetched stream over the weights, and more rows
 in that micro-kernel (``at::native::cpublas::brgemm``). The default model's 121 GEMMs of a
-step, in a step's order, on a 2-core Xeon: 1.45x oneDNN's matmul at one row (its weights
-streamed at ~17 GB/s, the loop's at 25, the rate of a plain read of the same bytes there),
-1.24-1.27x at 2-64 rows (the micro-kernel without the matmul's per-call work), 1.11x at 192,
-0.97x at 512. Served at concurrency 1 (128-token prompts): 49.1 -> 68.7 output tok/s, TPOT
+step, in a step's order, on a 2-core Xeon: 1.48x oneDNN's matmul at one row (its weights
+streamed at ~18 GB/s, the loop's at 26, a plain read of the same bytes at 27), 1.27-1.30x at
+2-64 rows (the micro-kernel without the matmul's per-call work), 1.12x at 192, 0.97x at 512. Served at concurrency 1 (128-token prompts): 49.1 -> 68.7 output tok/s, TPOT
 19.9 -> 14.2 ms; 1.08x at 64 (``bench/results/amx_linear_serve.md``). Its sums are in another
 order than F.linear's: the same to within a bf16 rounding. Where the kernel cannot be built,
 oneDNN's packing as above; CPUs without AMX keep it too (the micro-kernel runs there, but its
@@ -111,19 +110,20 @@ def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
 def packs_for_amx(model: nn.Module, device: torch.device) -> bool:
     """Whether :func:`prepack_linears` packs ``model``'s linear layers for :class:`AmxLinear`: bf16
     on a CPU with AMX (where the kernel builds: the runner builds it beside the others first)."""
-    linears = _linears(model)
-    return bool(linears) and packs(device, linears[0][2].weight.dtype) and torch.cpu._is_amx_tile_supported()
+    return (torch.cpu._is_amx_tile_supported() and torch.backends.mkldnn.enabled
+            and any(packs(device, linear.weight.dtype) for _, _, linear in _linears(model)))
 
 
 def prepack_linears(model: nn.Module, device: torch.device) -> int:
     """Replaces every ``nn.Linear`` of ``model`` by an :class:`AmxLinear` on a CPU with AMX (a
     layer of an odd input width excepted), else a :class:`PackedLinear`, where :func:`packs`;
     returns how many it replaced (0 elsewhere). Quantized layers (int8, int4) are left alone."""
-    linears = _linears(model)
-    if not linears or not packs(device, linears[0][2].weight.dtype):
-        return 0
-    amx = kernels.amx_linear() if packs_for_amx(model, device) else None
-    for parent, name, child in linears:
+    linears = [entry for entry in _linears(model) if packs(device, entry[2].weight.dtype)]
+    amx = kernels.amx_linear() if linears and packs_for_amx(model, device) else None
+    replaced = len(linears)
+    while linears:  # each plain weight dropped as its packed copy is made, not all at the end
+        parent, name, child = linears.pop()
         setattr(parent, name, AmxLinear(child, amx) if amx is not None and child.in_features % 2 == 0
                 else PackedLinear(child))
-    return len(linears)
+        del child
+    return replaced

@@ -167,8 +167,9 @@ def amx_linear() -> Callable | None:
 
 def build_together(names: tuple[str, ...]) -> None:
     """Builds the named libraries (keys of ``LIBRARY_FLAGS``) that are not in the cache yet, each
-    compiler its own process, so the loaders then find them built: on a first start the three
-    took 14 s here against 25 s one after another (2 cores). Only the builds run side by side:
+    compiler its own process, so the loaders then find them built: on a first start the
+    attention and layer-op libraries (three) took 14 s here against 25 s one after another (2
+    cores). Only the builds run side by side:
     each loader loads its library in the caller's thread (``torch.ops.load_library`` sets the
     process's dlopen flags and puts them back, which threads at once could leave changed). A
     build that fails here is tried again by its loader, which says why."""

@@ -8,18 +8,20 @@
 //   no sum across lanes; two pairs at a time into separate accumulators (the dot products' latency
 //   would otherwise bound the loop when the weights are in the caches), and a software prefetch
 //   8 KB ahead, into L2. Why: in a step the per-layer weights (0.6-3.5 MB) come from L3 or memory,
-//   and oneDNN's matmul over its own packed weights streams them at ~17 GB/s on a 2-core Xeon
-//   where this loop reads them at 25, the rate of a plain read of the same bytes there (all 121
-//   of the default model's GEMMs of a step: 15.5 -> 10.7 ms; without the prefetch, ~40 % slower).
+//   and oneDNN's matmul over its own packed weights streams them at ~18 GB/s on a 2-core Xeon,
+//   where this loop reads them at 26, a plain read of the same bytes at 27 (the default model's
+//   121 GEMMs of a step: 14.6 -> 10.5 ms; 13.0 without the prefetch).
 // - two rows and more go to oneDNN's AMX micro-kernel itself (at::native::cpublas::brgemm, what
-//   Inductor's GEMM templates call), up to 256 rows per call, a 32-feature block at a time.
+//   Inductor's GEMM templates call), up to 256 rows per call, a 32-feature block at a time. (The
+//   loop taking 2-4 rows was measured: level at 2, slower at 3 and 4.)
 //
 // float32 accumulation; a bias is added in float32 before the one rounding to bf16, as oneDNN
 // does. Results agree with F.linear to within a bf16 rounding (sums in another order), and a
 // row's result depends on the row count only through which of the two paths runs it.
 //
-// Built at run time by leanserve/model/kernels/__init__.py, on CPUs with AMX only (the
-// brgemm's VNNI layout is only packable there; elsewhere oneDNN's opaque packed weights stay).
+// Built at run time by leanserve/model/kernels/__init__.py. The runner packs for it on CPUs with
+// AMX only: the micro-kernel also runs on AVX512-BF16 without AMX, but its speed there against
+// oneDNN's matmul is not measured, so those CPUs keep oneDNN's own packed weights.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -31,12 +33,14 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
 
 constexpr int64_t kBlock = 32;            // output features per block of the packed weight
 constexpr int64_t kBrgemmRows = 256;      // rows per micro-kernel call
+constexpr int64_t kBrgemmStep = 16;       // ... a multiple of this plus a remainder: see amx_linear
 constexpr int64_t kPrefetchBytes = 8192;  // how far ahead of the one-row loop's reads
 
 // The 32 results of a block for one row, plus the bias, rounded to bf16 and stored; the last
@@ -56,25 +60,32 @@ inline void store_block(__m512 lo, __m512 hi, const float* bias, c10::BFloat16* 
   }
 }
 
+// Two neighbouring bf16 inputs in every 32-bit lane (read through memcpy: a bf16 row is only
+// 2-byte aligned).
+inline __m512bh broadcast_pair(const c10::BFloat16* x) {
+  int32_t pair;
+  std::memcpy(&pair, x, sizeof pair);
+  return (__m512bh)_mm512_set1_epi32(pair);
+}
+
 // Blocks [b0, b1) of one row: y = x W^T (+ bias).
 void one_row(const c10::BFloat16* x, const c10::BFloat16* weight, const float* bias, c10::BFloat16* y,
              int64_t K, int64_t N, int64_t b0, int64_t b1) {
   const int64_t pairs = K / 2;
-  const int32_t* x_pairs = reinterpret_cast<const int32_t*>(x);
   for (int64_t b = b0; b < b1; ++b) {
     const char* w = reinterpret_cast<const char*>(weight + b * K * kBlock);
     __m512 lo0 = _mm512_setzero_ps(), hi0 = _mm512_setzero_ps(), lo1 = _mm512_setzero_ps(), hi1 = _mm512_setzero_ps();
     int64_t p = 0;
     for (; p + 2 <= pairs; p += 2, w += 256) {  // a line per 16 features per pair: 4 lines
       for (int line = 0; line < 4; ++line) _mm_prefetch(w + kPrefetchBytes + 64 * line, _MM_HINT_T1);
-      const __m512bh x0 = (__m512bh)_mm512_set1_epi32(x_pairs[p]), x1 = (__m512bh)_mm512_set1_epi32(x_pairs[p + 1]);
+      const __m512bh x0 = broadcast_pair(x + 2 * p), x1 = broadcast_pair(x + 2 * p + 2);
       lo0 = _mm512_dpbf16_ps(lo0, x0, (__m512bh)_mm512_loadu_si512(w));
       hi0 = _mm512_dpbf16_ps(hi0, x0, (__m512bh)_mm512_loadu_si512(w + 64));
       lo1 = _mm512_dpbf16_ps(lo1, x1, (__m512bh)_mm512_loadu_si512(w + 128));
       hi1 = _mm512_dpbf16_ps(hi1, x1, (__m512bh)_mm512_loadu_si512(w + 192));
     }
     if (p < pairs) {
-      const __m512bh x0 = (__m512bh)_mm512_set1_epi32(x_pairs[p]);
+      const __m512bh x0 = broadcast_pair(x + 2 * p);
       lo0 = _mm512_dpbf16_ps(lo0, x0, (__m512bh)_mm512_loadu_si512(w));
       hi0 = _mm512_dpbf16_ps(hi0, x0, (__m512bh)_mm512_loadu_si512(w + 64));
     }
@@ -85,6 +96,7 @@ void one_row(const c10::BFloat16* x, const c10::BFloat16* weight, const float* b
 
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                       int64_t out_features) {
+  TORCH_CHECK(x.dim() >= 1, "amx_linear: an input of at least one dimension");
   const int64_t K = x.size(-1);
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
               "amx_linear: bfloat16 input and weight");
@@ -106,23 +118,36 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, const std::
   const auto* wp = weight.data_ptr<c10::BFloat16>();
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   auto* yp = y.data_ptr<c10::BFloat16>();
+  if (M == 0) return y.view(sizes);
   if (M == 1) {
     at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) { one_row(xp, wp, bp, yp, K, N, b0, b1); });
     return y.view(sizes);
   }
+  // oneDNN's ukernel (torch's CPUBlas) generates a kernel per row count on first use, per thread:
+  // a chunk is cut into a multiple of 16 rows and a remainder below 16, so at most 31 row counts
+  // ever occur, not one per step size.
+  TORCH_CHECK(at::globalContext().userEnabledMkldnn(),
+              "amx_linear: more than one row needs oneDNN's micro-kernel, and torch.backends.mkldnn is disabled");
   const int64_t row_chunks = (M + kBrgemmRows - 1) / kBrgemmRows;
   at::parallel_for(0, blocks * row_chunks, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> acc(kBrgemmRows * kBlock);
+    // The AMX tile state brgemm configures on this thread is released however the loop ends.
+    struct Release {
+      ~Release() { at::native::cpublas::brgemm_release(true); }
+    } release;
     for (int64_t t = t0; t < t1; ++t) {
       // Block-major: a thread's consecutive tasks reuse one block of the weight.
       const int64_t b = t / row_chunks, m0 = (t % row_chunks) * kBrgemmRows, m = std::min(kBrgemmRows, M - m0);
-      at::native::cpublas::brgemm(m, kBlock, K, K, kBlock, kBlock, false, xp + m0 * K, wp + b * K * kBlock,
-                                  acc.data(), true);
+      const int64_t whole = m / kBrgemmStep * kBrgemmStep;
+      for (const auto [first, count] : {std::pair{int64_t(0), whole}, std::pair{whole, m - whole}}) {
+        if (count > 0)
+          at::native::cpublas::brgemm(count, kBlock, K, K, kBlock, kBlock, false, xp + (m0 + first) * K,
+                                      wp + b * K * kBlock, acc.data() + first * kBlock, true);
+      }
       for (int64_t i = 0; i < m; ++i)
         store_block(_mm512_loadu_ps(&acc[i * kBlock]), _mm512_loadu_ps(&acc[i * kBlock + 16]),
                     bp ? bp + b * kBlock : nullptr, yp + (m0 + i) * N + b * kBlock, std::min(kBlock, N - b * kBlock));
     }
-    at::native::cpublas::brgemm_release(true);  // the AMX tile state this thread configured
   });
   return y.view(sizes);
 }
