@@ -133,7 +133,9 @@ def test_without_a_compiler_the_kernels_fall_back_with_one_log_line(monkeypatch,
     assert not cache.exists() or list(cache.iterdir()) == []  # nothing half-built left behind
 
 
-def test_the_attention_backend_flag():
+@pytest.mark.parametrize("amx", [False, True])
+def test_the_attention_backend_flag(monkeypatch, amx):
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
     with pytest.raises(ValueError, match="attention_backend"):
         EngineConfig(attention_backend="flash").validate()
     with pytest.raises(ValueError, match="cpu-paged runs on the CPU"):
@@ -152,8 +154,12 @@ def test_the_attention_backend_flag():
         attention_kernels("cpu-paged", Model(), fp16, cpu)
     assert attention_kernels("auto", Model(), fp16, cpu) == AttentionKernels()  # auto: SDPA where none applies
     assert attention_kernels("sdpa", Model(), bf16, cpu) == AttentionKernels()
-    assert attention_kernels("auto", Model(), bf16, cpu) == AttentionKernels(kernels.paged_decode_attention(),
-                                                                             kernels.paged_prefill_attention())
+    both = AttentionKernels(kernels.paged_decode_attention(), kernels.paged_prefill_attention())
+    # bf16 prefill on AMX: SDPA's flash kernel (AMX tiles) under auto; cpu-paged keeps leanserve's.
+    assert attention_kernels("auto", Model(), bf16, cpu) == (AttentionKernels(kernels.paged_decode_attention())
+                                                             if amx else both)
+    assert attention_kernels("cpu-paged", Model(), bf16, cpu) == both
+    assert attention_kernels("auto", Model(), KVCache(1, 3, 64, 4, 16, torch.float32, "cpu"), cpu) == both
     # A head size the prefill kernel is not compiled for: auto attends prefill chunks with SDPA,
     # cpu-paged says why it cannot.
     Config.head_dim = 40

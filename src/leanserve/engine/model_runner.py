@@ -177,10 +177,22 @@ class AttentionKernels:
     prefill: Callable | None = None  # one prefill chunk against its blocks (AttentionMetadata.prefill_kernel)
 
 
+def sdpa_prefills_faster(dtype: torch.dtype) -> bool:
+    """Whether SDPA attends bf16 prefill chunks faster than leanserve's prefill kernel here: on a
+    CPU with AMX, where SDPA's flash kernel computes its tiles in AMX's tile unit (oneDNN's
+    brgemm) and leanserve's kernel, whose products are AVX512 vector instructions, has no AMX
+    path: 1.4-3.0x faster a chunk of the default model, the context's gather included
+    (``bench/results/prefill_on_amx.md``)."""
+    return dtype == torch.bfloat16 and torch.cpu._is_amx_tile_supported() and torch.backends.mkldnn.enabled
+
+
 def attention_kernels(backend: str, model: Transformer, kv_cache: KVCache, device: torch.device) -> AttentionKernels:
     """leanserve's CPU attention kernels for this model and cache. ``auto`` takes each kernel
-    where it applies (the CPU, float32 or bfloat16, shapes within its limits) and builds, SDPA
-    elsewhere; ``cpu-paged`` raises ValueError where either does not; ``sdpa`` takes none."""
+    where it applies (the CPU, float32 or bfloat16, shapes within its limits), builds and is the
+    faster (decode always; prefill not in bf16 on AMX, :func:`sdpa_prefills_faster`), SDPA
+    elsewhere; ``cpu-paged`` takes both, raising ValueError where either does not apply or build
+    (so its prefill, bitwise the same in any chunking, stays available on AMX too); ``sdpa``
+    takes none."""
     if backend == "sdpa":
         return AttentionKernels()
     cfg, dtype = model.config, kv_cache.tensor.dtype
@@ -192,7 +204,8 @@ def attention_kernels(backend: str, model: Transformer, kv_cache: KVCache, devic
     why_not_prefill = why_not or ("takes heads of a multiple of 16 dimensions, at most 256"
                                   if cfg.head_dim % 16 or cfg.head_dim > 256 else None)
     decode = kernels.paged_decode_attention() if why_not_decode is None else None
-    prefill = kernels.paged_prefill_attention() if why_not_prefill is None else None
+    prefill = (kernels.paged_prefill_attention() if why_not_prefill is None
+               and not (backend == "auto" and sdpa_prefills_faster(dtype)) else None)
     if backend == "cpu-paged":
         for kernel, why, what in ((decode, why_not_decode, "decode"), (prefill, why_not_prefill, "prefill")):
             if kernel is None:
@@ -212,16 +225,19 @@ class ModelRunner:
         self.grammar_bitmask = grammar_bitmask
         self.kv = kv_cache
         self.device = torch.device(device)
-        if self.device.type == "cpu" and model.embed_tokens.weight.dtype in kernels.DTYPES:
+        dtype = model.embed_tokens.weight.dtype
+        if self.device.type == "cpu" and dtype in kernels.DTYPES:
             # Built side by side, not one after another where each is first asked for.
-            kernels.build_together(("layer_ops",) + (() if attention_backend == "sdpa" else
-                                                     ("paged_decode_attention", "paged_prefill_attention"))
+            prefill = attention_backend == "cpu-paged" or (attention_backend == "auto"
+                                                            and not sdpa_prefills_faster(dtype))
+            kernels.build_together(("layer_ops",) + (() if attention_backend == "sdpa" else ("paged_decode_attention",))
+                                   + (("paged_prefill_attention",) if prefill else ())
                                    + (("amx_linear",) if packs_for_amx(model, self.device) else ()))
         prepack_linears(model, self.device)  # bf16 on the CPU: weights in the GEMM's layout, once
-        use_cpu_kernels(model.ops, self.device, model.embed_tokens.weight.dtype)  # norms, rotary, SiLU
+        use_cpu_kernels(model.ops, self.device, dtype)  # norms, rotary, SiLU
         self.gather_scratch = GatherScratch()  # every step's layers gather keys and values into it
         self.sampler = Sampler(self.device, seed)
-        self.decode_masks = DecodeMaskTable(self.device, dtype=model.embed_tokens.weight.dtype)
+        self.decode_masks = DecodeMaskTable(self.device, dtype=dtype)
         self.attention = attention_kernels(attention_backend, model, kv_cache, self.device)
         # Bounded shapes (see model/attention.py): the step's token rows, the rows reaching the
         # output head and, in SDPA, each prefill chunk's query rows and key blocks are padded to
