@@ -29,7 +29,9 @@ def q4_weight(qtype, rows=48, cols=96, seed=0):
 
 
 def to_torch(arrays):
-    return [torch.from_numpy(a) for a in arrays]
+    """gguf_q4's (codes, scale, minimum) as Int4Linear's (codes, scale, zero)."""
+    codes, scale, minimum = (torch.from_numpy(a) for a in arrays)
+    return codes, scale, minimum + 8 * scale
 
 
 @pytest.mark.parametrize("qtype", Q4)

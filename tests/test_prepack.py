@@ -12,9 +12,9 @@ from torch import nn
 
 from leanserve import LLM, SamplingParams
 from leanserve.engine import model_runner
-from leanserve.model import ModelSpec, kernels, load_model
+from leanserve.model import ModelSpec, kernels, load_model, loader
 from leanserve.model.int4 import Int4Linear
-from leanserve.model.prepack import AmxLinear, PackedLinear, packs, prepack_linears
+from leanserve.model.prepack import AmxLinear, PackedLinear, packs, prepack_linears, q4_layout, reads_q4_copies
 
 from .test_int4 import write_tiny_q4
 from .test_model import dense_logits
@@ -134,6 +134,66 @@ def test_amx_linear_refuses_what_it_cannot_compute():
         op(x, amx.packed, lin.bias, 40)
     with pytest.raises(RuntimeError, match="amx_linear: an input of at least one dimension"):
         op(x[0, 0], amx.packed, amx.bias, 40)
+    codes, dm = q4_layout(*q4_blocks(40, 64))
+    with pytest.raises(RuntimeError, match="q4_codes and q4_dm go together"):
+        op(x, amx.packed, amx.bias, 40, codes)
+    with pytest.raises(RuntimeError, match=r"q4_codes uint8 \[N / 32, K / 2, 32\] for an input of 64"):
+        op(x, amx.packed, amx.bias, 40, codes[:, :16].contiguous(), dm)
+    with pytest.raises(RuntimeError, match=r"q4_dm float16 \[N / 32, K / 32, 2, 32\]"):
+        op(x, amx.packed, amx.bias, 40, codes, dm.float())
+
+
+def q4_blocks(n: int, k: int, q4_0: bool = False, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """A random GGUF Q4 weight as gguf_q4 gives one: codes, and per group of 32 inputs a scale
+    and a minimum of fp16 values (Q4_0: the minimum is -8 times the scale)."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    scale = (torch.rand(n, k // 32, generator=g) / 40).half().float()
+    minimum = -8 * scale if q4_0 else (torch.randn(n, k // 32, generator=g) / 10).half().float()
+    return codes, scale, minimum
+
+
+def q4_linear(codes, scale, minimum, bias: bool) -> nn.Linear:
+    """The bf16 layer a dequantized load gives: codes * scale + minimum in float32, then bf16."""
+    n, k = codes.shape
+    lin = nn.Linear(k, n, bias=bias, dtype=torch.bfloat16)
+    w = codes.float() * scale.repeat_interleave(32, 1) + minimum.repeat_interleave(32, 1)
+    lin.weight.data.copy_(w)
+    return lin
+
+
+@pytest.mark.skipif(not AMX, reason="AMX's layout is packed on CPUs with AMX only")
+@pytest.mark.parametrize("q4_0", [False, True])
+def test_one_row_from_4_bit_blocks_is_the_bf16_weights_product_bit_for_bit(q4_0):
+    """The one-row loop over a layer's Q4 blocks (model/prepack.py's q4_layout) computes what it
+    computes over the dequantized bf16 weights, bit for bit: the default model's shapes, a last
+    block of 18 features and one of 50 output features; a row of the identity gives a column of
+    the weight itself; more rows read the bf16 copy, as without the blocks."""
+    shapes = ((960, 576), (576, 1536), (3072, 576), (50, 64), (18, 96), (40, 64))
+    for (n, k), bias in zip(shapes, (False, True, False, True, True, False)):
+        blocks = q4_blocks(n, k, q4_0, seed=n)
+        lin = q4_linear(*blocks, bias)
+        plain, q4 = AmxLinear(lin, kernels.amx_linear()), AmxLinear(lin, kernels.amx_linear(), q4_layout(*blocks))
+        with torch.inference_mode():
+            for rows in (1, 1, 2, 17):
+                x = torch.randn(rows, k, dtype=torch.bfloat16)
+                assert torch.equal(q4(x), plain(x)), (n, k, rows)
+            if not bias:  # a row of the identity: a column of the weight itself
+                eye = torch.eye(k, dtype=torch.bfloat16)
+                for i in range(0, k, 5):
+                    assert torch.equal(q4(eye[i]), lin.weight[:, i])
+
+
+def test_q4_layout_pads_the_last_block_and_refuses_what_fp16_cannot_hold():
+    codes, scale, minimum = q4_blocks(50, 64)
+    packed, dm = q4_layout(codes, scale, minimum)
+    assert packed.shape == (2, 32, 32) and packed.dtype == torch.uint8
+    assert dm.shape == (2, 2, 2, 32) and dm.dtype == torch.float16
+    # block 0, pair 3, feature 5: inputs 6 and 7 of row 5, the first in the low nibble
+    assert packed[0, 3, 5] == codes[5, 6] | codes[5, 7] << 4
+    assert packed[1, 0, 18:].eq(0).all() and dm[1, :, :, 18:].eq(0).all()  # rows 50-63: padding
+    assert dm[1, 1, 0, 3] == scale[35, 1] and dm[1, 1, 1, 3] == minimum[35, 1]
+    assert q4_layout(codes, scale, minimum * 1e6) is None  # past fp16's range
 
 
 @pytest.mark.skipif(not AMX, reason="AMX's layout is packed on CPUs with AMX only")
@@ -175,6 +235,44 @@ def test_float32_and_int4_layers_are_left_alone(tiny_model_dir, tmp_path, defaul
     int4 = sum(isinstance(m, Int4Linear) for m in q4.modules())
     prepack_linears(q4, CPU)
     assert sum(isinstance(m, Int4Linear) for m in q4.modules()) == int4 > 0
+
+
+def test_q4_copies_are_kept_only_where_amx_reads_them(tmp_path, default_model):
+    """A GGUF file's Q4 blocks are kept beside the bf16 weights only for a bf16 model (no
+    quantization) on a CPU whose packing reads them, and packing takes them all."""
+    path = write_tiny_q4(str(tmp_path / "q4.gguf"), default_model, tied=True)
+    bf16 = load_model(ModelSpec.resolve(path, "bfloat16"))
+    linears = sum(type(m) is nn.Linear for m in bf16.modules())
+    assert len(bf16.q4_copies) == (linears if reads_q4_copies(CPU, torch.bfloat16) else 0)
+    prepack_linears(bf16, CPU)
+    assert not bf16.q4_copies
+    assert sum(isinstance(m, AmxLinear) and m.q4_codes is not None for m in bf16.modules()) == (linears if AMX else 0)
+    for variant in (dict(dtype="float32"), dict(dtype="bfloat16", quantization="int8"),
+                    dict(dtype="bfloat16", quantization="gguf")):
+        assert not load_model(ModelSpec.resolve(path, **variant)).q4_copies, variant
+
+
+@pytest.mark.skipif(not AMX, reason="AMX's layout is packed on CPUs with AMX only")
+def test_the_engine_decodes_a_q4_file_from_its_blocks_as_from_its_bf16_weights(tmp_path, default_model, monkeypatch):
+    """A GGUF model whose every linear layer is Q4_0 or Q4_1, through the engine, with its blocks
+    read at one row (the default on AMX) and without: the same greedy tokens and logprobs, bit for
+    bit, over prefill and decode at 3, 2 and 1 rows (the one-row steps read the blocks); so the
+    blocks give exactly the weights gguf-py's dequantization gives."""
+    path = write_tiny_q4(str(tmp_path / "q4.gguf"), default_model, tied=False)
+    prompts = [list(range(7, 7 + n)) for n in (3, 23, 40)]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=2) for n in (8, 16, 24)]
+
+    def run() -> tuple[int, list]:
+        with LLM(path, dtype="bfloat16", kv_cache_memory=16 << 20) as llm:
+            q4 = sum(isinstance(m, AmxLinear) and m.q4_codes is not None for m in llm.engine.runner.model.modules())
+            outs = [o.outputs[0] for o in llm.generate(prompts, params)]
+        return q4, [(list(o.token_ids), o.logprobs) for o in outs]
+
+    q4_layers, got = run()
+    monkeypatch.setattr(loader, "reads_q4_copies", lambda device, dtype: False)
+    none, want = run()
+    assert q4_layers > 0 and none == 0
+    assert got == want
 
 
 def test_the_engine_packs_its_bf16_model_and_decodes_as_it_would_unpacked(tiny_model_dir, monkeypatch):

@@ -77,11 +77,13 @@ def _pack(codes: torch.Tensor, cuda: bool) -> torch.Tensor:
 
 
 def gguf_q4(raw: np.ndarray, qtype: GGMLQuantizationType) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Q4_0/Q4_1 blocks [rows, bytes] -> (codes uint8 [rows, cols], scale, zero float32
-    [rows, cols / 32]) with ``w = (codes - 8) * scale + zero`` per group of 32."""
+    """Q4_0/Q4_1 blocks [rows, bytes] -> (codes uint8 [rows, cols], scale, minimum float32
+    [rows, cols / 32]) with ``w = codes * scale + minimum`` per group of 32, the block's own
+    numbers (fp16 values; Q4_0's minimum is ``-8 d``). :class:`Int4Linear` takes
+    ``zero = minimum + 8 * scale``."""
     size = 18 if qtype == GGMLQuantizationType.Q4_0 else 20
     blocks = raw.reshape(raw.shape[0], -1, size)
     d = blocks[..., :2].copy().view(np.float16).astype(np.float32)[..., 0]
-    zero = 8 * d + blocks[..., 2:4].copy().view(np.float16)[..., 0] if size == 20 else np.zeros_like(d)
+    m = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)[..., 0] if size == 20 else -8 * d
     qs = blocks[..., size - 16 :]  # byte j: weight j in the low nibble, weight j + 16 in the high one
-    return np.concatenate((qs & 15, qs >> 4), axis=-1).reshape(raw.shape[0], -1), d, zero
+    return np.concatenate((qs & 15, qs >> 4), axis=-1).reshape(raw.shape[0], -1), d, m

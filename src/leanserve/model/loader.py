@@ -23,6 +23,7 @@ from .config import ModelConfig, ModelLoadError
 from .gguf_file import GGUFFile, GGUFTensor
 from .int4 import Int4Linear, gguf_q4, packable
 from .parallel import TensorParallel
+from .prepack import q4_layout, reads_q4_copies
 from .quant import check_quantization, quantize_linears
 from .transformer import Transformer
 
@@ -117,7 +118,8 @@ def load_model(spec: ModelSpec, tp: TensorParallel | None = None, device: str | 
     Q4_0/Q4_1 linear layers on their 4-bit blocks (see :mod:`.int4`)."""
     tp, device = tp or TensorParallel(), device or spec.device
     if spec.is_gguf:
-        model = _load_gguf(spec.path, spec.dtype, device, tp, keep_q4=spec.quantization == "gguf")
+        model = _load_gguf(spec.path, spec.dtype, device, tp, keep_q4=spec.quantization == "gguf",
+                           q4_copies=spec.quantization == "none" and reads_q4_copies(torch.device(device), spec.dtype))
     else:
         model = _load_hf(spec.path, spec.dtype, device, tp)
     return quantize_linears(model) if spec.quantization == "int8" else model
@@ -334,9 +336,12 @@ def _unpermute(w, heads: int):
     return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _load_gguf(path: str, dtype, device, tp: TensorParallel, keep_q4: bool = False) -> Transformer:
+def _load_gguf(path: str, dtype, device, tp: TensorParallel, keep_q4: bool = False,
+               q4_copies: bool = False) -> Transformer:
     """``keep_q4``: linear layers stored as Q4_0/Q4_1 are built from those blocks as they are
-    (:func:`_int4_linears`); everything else is dequantized into ``dtype``."""
+    (:func:`_int4_linears`); everything else is dequantized into ``dtype``. ``q4_copies``: those
+    blocks are also kept beside the dequantized weights, for the runner's AMX layout to read at
+    one row (:func:`_q4_copies`)."""
     gguf = GGUFFile(path)
     cfg = _gguf_config(gguf)
     model = Transformer(cfg, dtype, device, tp)
@@ -358,6 +363,8 @@ def _load_gguf(path: str, dtype, device, tp: TensorParallel, keep_q4: bool = Fal
     if keep_q4:
         for name in _int4_linears(model, named, dtype, device):
             del named[name]
+    elif q4_copies:
+        _q4_copies(model, named)
     _fill(model, _GGUFSource(named), path)
     return model
 
@@ -382,6 +389,23 @@ class _GGUFSource:
         return _unpermute(w, heads * (hi - lo) // t.shape[0]) if heads else w
 
 
+def _q4_layers(model: Transformer, named: dict[str, tuple[GGUFTensor, int]]) -> Iterator[tuple]:
+    """Every linear layer whose checkpoint weights are all Q4_0/Q4_1 blocks (in this rank's share,
+    whole groups of 32): (parent, attribute, checkpoint names, (codes, scale, minimum)) as
+    :func:`gguf_q4` gives them, the layer's parts concatenated, llama.cpp's row permutation undone."""
+    for parent, attr, parts in _linear_parts(model):
+        names = [f"{p.name}.weight" for p in parts]
+        shares = [named[n][0].share(p.dim, p.lo, p.hi) if n in named else None for n, p in zip(names, parts)]
+        if not all(s is not None and packable(s.qtype, s.shape) for s in shares):
+            continue
+        blocks = [], [], []
+        for n, s, p in zip(names, shares, parts):
+            heads = named[n][1] * (p.hi - p.lo) // p.shape[0] if p.dim == 0 else 0
+            for out, x in zip(blocks, gguf_q4(s.raw, s.qtype)):
+                out.append(_unpermute(x, heads) if heads else x)
+        yield parent, attr, names, tuple(torch.from_numpy(np.concatenate(x)) for x in blocks)
+
+
 def _int4_linears(model: Transformer, named: dict[str, tuple[GGUFTensor, int]], dtype, device) -> list[str]:
     """Replaces every linear layer whose checkpoint weights are all Q4_0/Q4_1 blocks by an
     :class:`Int4Linear` made from this rank's share of those blocks (no float copy of the
@@ -391,23 +415,24 @@ def _int4_linears(model: Transformer, named: dict[str, tuple[GGUFTensor, int]], 
     with this kernel, as two 4-bit planes, took 1.9 vs 4.5 ms at 1 row but 42 vs 6 ms at 64:
     bench/results/int4.md)."""
     used = []
-    for parent, attr, parts in _linear_parts(model):
-        names = [f"{p.name}.weight" for p in parts]
-        shares = [named[n][0].share(p.dim, p.lo, p.hi) if n in named else None for n, p in zip(names, parts)]
-        if not all(s is not None and packable(s.qtype, s.shape) for s in shares):
-            continue
-        codes, scale, zero = [], [], []
-        for n, s, p in zip(names, shares, parts):
-            heads = named[n][1] * (p.hi - p.lo) // p.shape[0] if p.dim == 0 else 0
-            for out, x in zip((codes, scale, zero), gguf_q4(s.raw, s.qtype)):
-                out.append(_unpermute(x, heads) if heads else x)
-        codes, scale, zero = (torch.from_numpy(np.concatenate(x)).to(device) for x in (codes, scale, zero))
+    for parent, attr, names, (codes, scale, minimum) in _q4_layers(model, named):
         lin = getattr(parent, attr)
         bias = None if lin.bias is None else torch.empty_like(lin.bias)
-        setattr(parent, attr, Int4Linear(codes, scale, zero, dtype, bias=bias))
+        zero = minimum + 8 * scale
+        setattr(parent, attr, Int4Linear(codes.to(device), scale.to(device), zero.to(device), dtype, bias=bias))
         if names != ["model.embed_tokens.weight"]:
             used += names
     return used
+
+
+def _q4_copies(model: Transformer, named: dict[str, tuple[GGUFTensor, int]]) -> None:
+    """Records every Q4_0/Q4_1 linear layer's blocks in ``model.q4_copies``, in the layout AMX's
+    one-row loop reads (:func:`.prepack.q4_layout`); the layer itself is filled with the
+    dequantized weights as usual."""
+    for parent, attr, _, blocks in _q4_layers(model, named):
+        layout = q4_layout(*blocks)
+        if layout is not None:
+            model.q4_copies[getattr(parent, attr)] = layout
 
 
 def read_model_config(spec: ModelSpec) -> ModelConfig:
