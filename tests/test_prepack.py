@@ -14,7 +14,8 @@ from leanserve import LLM, SamplingParams
 from leanserve.engine import model_runner
 from leanserve.model import ModelSpec, kernels, load_model, loader
 from leanserve.model.int4 import Int4Linear
-from leanserve.model.prepack import AmxLinear, PackedLinear, packs, prepack_linears, q4_layout, reads_q4_copies
+from leanserve.model.prepack import (AmxLinear, PackedLinear, packs, prepack_linears, q4_layout, q8_layout,
+                                     reads_gguf_blocks)
 
 from .test_int4 import write_tiny_q4
 from .test_model import dense_logits
@@ -134,13 +135,15 @@ def test_amx_linear_refuses_what_it_cannot_compute():
         op(x, amx.packed, lin.bias, 40)
     with pytest.raises(RuntimeError, match="amx_linear: an input of at least one dimension"):
         op(x[0, 0], amx.packed, amx.bias, 40)
-    codes, dm = q4_layout(*q4_blocks(40, 64))
-    with pytest.raises(RuntimeError, match="q4_codes and q4_dm go together"):
+    codes, scales = q4_layout(*q4_blocks(40, 64))
+    with pytest.raises(RuntimeError, match="codes and scales go together"):
         op(x, amx.packed, amx.bias, 40, codes)
-    with pytest.raises(RuntimeError, match=r"q4_codes uint8 \[N / 32, K / 2, 32\] for an input of 64"):
-        op(x, amx.packed, amx.bias, 40, codes[:, :16].contiguous(), dm)
-    with pytest.raises(RuntimeError, match=r"q4_dm float16 \[N / 32, K / 32, 2, 32\]"):
-        op(x, amx.packed, amx.bias, 40, codes, dm.float())
+    with pytest.raises(RuntimeError, match=r"Q4 codes uint8 \[N / 32, K / 2, 32\] with scales"):
+        op(x, amx.packed, amx.bias, 40, codes[:, :16].contiguous(), scales)
+    with pytest.raises(RuntimeError, match=r"or Q8_0 codes int8 \[N / 32, K / 2, 32, 2\]"):
+        op(x, amx.packed, amx.bias, 40, *q8_layout(*q8_blocks(40, 32)))
+    with pytest.raises(RuntimeError, match="float16 scales"):
+        op(x, amx.packed, amx.bias, 40, codes, scales.float())
 
 
 def q4_blocks(n: int, k: int, q4_0: bool = False, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -153,38 +156,50 @@ def q4_blocks(n: int, k: int, q4_0: bool = False, seed: int = 0) -> tuple[torch.
     return codes, scale, minimum
 
 
-def q4_linear(codes, scale, minimum, bias: bool) -> nn.Linear:
-    """The bf16 layer a dequantized load gives: codes * scale + minimum in float32, then bf16."""
+def q8_blocks(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """A random GGUF Q8_0 weight as gguf_q8 gives one: int8 codes and fp16 scales per 32 inputs."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    return codes, (torch.rand(n, k // 32, generator=g) / 100).half().float()
+
+
+def blocks_linear(codes, scale, minimum=None, bias: bool = False) -> nn.Linear:
+    """The bf16 layer a dequantized load gives: codes * scale (+ minimum) in float32, then bf16."""
     n, k = codes.shape
     lin = nn.Linear(k, n, bias=bias, dtype=torch.bfloat16)
-    w = codes.float() * scale.repeat_interleave(32, 1) + minimum.repeat_interleave(32, 1)
-    lin.weight.data.copy_(w)
+    w = codes.float() * scale.repeat_interleave(32, 1)
+    lin.weight.data.copy_(w if minimum is None else w + minimum.repeat_interleave(32, 1))
     return lin
 
 
 @pytest.mark.skipif(not AMX, reason="AMX's layout is packed on CPUs with AMX only")
-@pytest.mark.parametrize("q4_0", [False, True])
-def test_one_row_from_4_bit_blocks_is_the_bf16_weights_product_bit_for_bit(q4_0):
-    """The one-row loop over a layer's Q4 blocks (model/prepack.py's q4_layout) computes what it
-    computes over the dequantized bf16 weights, bit for bit: the default model's shapes, a last
-    block of 18 features and one of 50 output features; a row of the identity gives a column of
-    the weight itself; more rows read the bf16 copy, as without the blocks."""
-    shapes = ((960, 576), (576, 1536), (3072, 576), (50, 64), (18, 96), (40, 64))
-    for (n, k), bias in zip(shapes, (False, True, False, True, True, False)):
-        blocks = q4_blocks(n, k, q4_0, seed=n)
-        lin = q4_linear(*blocks, bias)
-        plain, q4 = AmxLinear(lin, kernels.amx_linear()), AmxLinear(lin, kernels.amx_linear(), q4_layout(*blocks))
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4_0", "Q8_0"])
+def test_one_row_from_gguf_blocks_is_the_bf16_weights_product_bit_for_bit(kind):
+    """The one-row loop over a layer's GGUF blocks (model/prepack.py's q4_layout, q8_layout)
+    computes what it computes over the dequantized bf16 weights, bit for bit: the default model's
+    shapes (the output head's too), a last block of 18 features and one of 50 output features; a
+    row of the identity gives a column of the weight itself; more rows read the bf16 copy, as
+    without the blocks."""
+    shapes = ((960, 576), (576, 1536), (3072, 576), (50, 64), (18, 96), (40, 64)) + ((49152, 576),) * (kind == "Q8_0")
+    for (n, k), bias in zip(shapes, (False, True, False, True, True, False, False)):
+        if kind == "Q8_0":
+            arrays = q8_blocks(n, k, seed=n)
+            lin, blocks = blocks_linear(*arrays, bias=bias), q8_layout(*arrays)
+        else:
+            arrays = q4_blocks(n, k, kind == "Q4_0", seed=n)
+            lin, blocks = blocks_linear(*arrays, bias=bias), q4_layout(*arrays)
+        plain, read = AmxLinear(lin, kernels.amx_linear()), AmxLinear(lin, kernels.amx_linear(), blocks)
         with torch.inference_mode():
             for rows in (1, 1, 2, 17):
                 x = torch.randn(rows, k, dtype=torch.bfloat16)
-                assert torch.equal(q4(x), plain(x)), (n, k, rows)
+                assert torch.equal(read(x), plain(x)), (n, k, rows)
             if not bias:  # a row of the identity: a column of the weight itself
                 eye = torch.eye(k, dtype=torch.bfloat16)
                 for i in range(0, k, 5):
-                    assert torch.equal(q4(eye[i]), lin.weight[:, i])
+                    assert torch.equal(read(eye[i]), lin.weight[:, i])
 
 
-def test_q4_layout_pads_the_last_block_and_refuses_what_fp16_cannot_hold():
+def test_block_layouts_pad_the_last_block_and_refuse_what_fp16_cannot_hold():
     codes, scale, minimum = q4_blocks(50, 64)
     packed, dm = q4_layout(codes, scale, minimum)
     assert packed.shape == (2, 32, 32) and packed.dtype == torch.uint8
@@ -194,6 +209,11 @@ def test_q4_layout_pads_the_last_block_and_refuses_what_fp16_cannot_hold():
     assert packed[1, 0, 18:].eq(0).all() and dm[1, :, :, 18:].eq(0).all()  # rows 50-63: padding
     assert dm[1, 1, 0, 3] == scale[35, 1] and dm[1, 1, 1, 3] == minimum[35, 1]
     assert q4_layout(codes, scale, minimum * 1e6) is None  # past fp16's range
+    codes8, scale8 = q8_blocks(50, 64)
+    packed8, scales8 = q8_layout(codes8, scale8)
+    assert packed8.shape == (2, 32, 32, 2) and packed8.dtype == torch.int8 and scales8.shape == (2, 2, 32)
+    assert packed8[0, 3, 5, 1] == codes8[5, 7] and scales8[1, 1, 3] == scale8[35, 1]
+    assert packed8[1, :, 18:].eq(0).all() and scales8[1, :, 18:].eq(0).all()
 
 
 @pytest.mark.skipif(not AMX, reason="AMX's layout is packed on CPUs with AMX only")
@@ -237,41 +257,50 @@ def test_float32_and_int4_layers_are_left_alone(tiny_model_dir, tmp_path, defaul
     assert sum(isinstance(m, Int4Linear) for m in q4.modules()) == int4 > 0
 
 
-def test_q4_copies_are_kept_only_where_amx_reads_them(tmp_path, default_model):
-    """A GGUF file's Q4 blocks are kept beside the bf16 weights only for a bf16 model (no
-    quantization) on a CPU whose packing reads them, and packing takes them all."""
+def test_gguf_blocks_are_kept_only_where_amx_reads_them(tmp_path, default_model):
+    """A GGUF file's Q4 and Q8_0 blocks are kept beside the bf16 weights only for a bf16 model
+    (no quantization) on a CPU whose packing reads them, and packing takes them all: the tiny Q4
+    model's every layer, the default model's 120 Q4 layers and its Q8_0 head."""
     path = write_tiny_q4(str(tmp_path / "q4.gguf"), default_model, tied=True)
-    bf16 = load_model(ModelSpec.resolve(path, "bfloat16"))
-    linears = sum(type(m) is nn.Linear for m in bf16.modules())
-    assert len(bf16.q4_copies) == (linears if reads_q4_copies(CPU, torch.bfloat16) else 0)
-    prepack_linears(bf16, CPU)
-    assert not bf16.q4_copies
-    assert sum(isinstance(m, AmxLinear) and m.q4_codes is not None for m in bf16.modules()) == (linears if AMX else 0)
+    reads = reads_gguf_blocks(CPU, torch.bfloat16)
+    for file, kinds in ((path, {torch.uint8}), (default_model, {torch.uint8, torch.int8})):
+        bf16 = load_model(ModelSpec.resolve(file, "bfloat16"))
+        linears = sum(type(m) is nn.Linear for m in bf16.modules())
+        assert len(bf16.gguf_blocks) == (linears if reads else 0)
+        assert {codes.dtype for codes, _ in bf16.gguf_blocks.values()} == (kinds if reads else set())
+        prepack_linears(bf16, CPU)
+        assert not bf16.gguf_blocks
+        assert sum(isinstance(m, AmxLinear) and m.block_codes is not None for m in bf16.modules()) == \
+            (linears if AMX else 0)
     for variant in (dict(dtype="float32"), dict(dtype="bfloat16", quantization="int8"),
                     dict(dtype="bfloat16", quantization="gguf")):
-        assert not load_model(ModelSpec.resolve(path, **variant)).q4_copies, variant
+        assert not load_model(ModelSpec.resolve(path, **variant)).gguf_blocks, variant
 
 
 @pytest.mark.skipif(not AMX, reason="AMX's layout is packed on CPUs with AMX only")
-def test_the_engine_decodes_a_q4_file_from_its_blocks_as_from_its_bf16_weights(tmp_path, default_model, monkeypatch):
-    """A GGUF model whose every linear layer is Q4_0 or Q4_1, through the engine, with its blocks
-    read at one row (the default on AMX) and without: the same greedy tokens and logprobs, bit for
-    bit, over prefill and decode at 3, 2 and 1 rows (the one-row steps read the blocks); so the
-    blocks give exactly the weights gguf-py's dequantization gives."""
-    path = write_tiny_q4(str(tmp_path / "q4.gguf"), default_model, tied=False)
+@pytest.mark.parametrize("file", ["tiny Q4", "default"])
+def test_the_engine_decodes_a_gguf_file_from_its_blocks_as_from_its_bf16_weights(file, tmp_path, default_model,
+                                                                               monkeypatch):
+    """Through the engine, with a GGUF model's blocks read at one row (the default on AMX) and
+    without: the same greedy tokens and logprobs, bit for bit, over prefill and decode at 3, 2 and
+    1 rows (the one-row steps read the blocks); so the blocks give exactly the weights gguf-py's
+    dequantization gives. A tiny model whose every layer is Q4_0 or Q4_1, and the default model
+    (Q4_1 layers, a Q8_0 head)."""
+    path = write_tiny_q4(str(tmp_path / "q4.gguf"), default_model, tied=False) if file == "tiny Q4" else default_model
     prompts = [list(range(7, 7 + n)) for n in (3, 23, 40)]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=2) for n in (8, 16, 24)]
 
-    def run() -> tuple[int, list]:
+    def run() -> tuple[list[bool], list]:
         with LLM(path, dtype="bfloat16", kv_cache_memory=16 << 20) as llm:
-            q4 = sum(isinstance(m, AmxLinear) and m.q4_codes is not None for m in llm.engine.runner.model.modules())
+            model = llm.engine.runner.model
+            read = [m.block_codes is not None for m in model.modules() if isinstance(m, AmxLinear)]
             outs = [o.outputs[0] for o in llm.generate(prompts, params)]
-        return q4, [(list(o.token_ids), o.logprobs) for o in outs]
+        return read, [(list(o.token_ids), o.logprobs) for o in outs]
 
-    q4_layers, got = run()
-    monkeypatch.setattr(loader, "reads_q4_copies", lambda device, dtype: False)
-    none, want = run()
-    assert q4_layers > 0 and none == 0
+    read, got = run()
+    monkeypatch.setattr(loader, "reads_gguf_blocks", lambda device, dtype: False)
+    unread, want = run()
+    assert read and all(read) and not any(unread)  # every layer, the head included
     assert got == want
 
 

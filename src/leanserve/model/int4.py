@@ -32,6 +32,7 @@ from torch import nn
 
 GROUP = 32  # GGUF's Q4 block size, one of the group sizes the kernels take
 Q4_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
+Q8_TYPES = (GGMLQuantizationType.Q8_0,)  # read only by AMX's one-row loop (model/prepack.py)
 # The CPU packing works on blocks of 64 output rows: packing 64-row-aligned slices one at a time
 # gives the same bytes (tests/test_int4.py) and bounds the int32 copy of the codes it needs.
 PACK_ROWS = 4096
@@ -87,3 +88,12 @@ def gguf_q4(raw: np.ndarray, qtype: GGMLQuantizationType) -> tuple[np.ndarray, n
     m = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)[..., 0] if size == 20 else -8 * d
     qs = blocks[..., size - 16 :]  # byte j: weight j in the low nibble, weight j + 16 in the high one
     return np.concatenate((qs & 15, qs >> 4), axis=-1).reshape(raw.shape[0], -1), d, m
+
+
+def gguf_q8(raw: np.ndarray, qtype: GGMLQuantizationType) -> tuple[np.ndarray, np.ndarray]:
+    """Q8_0 blocks [rows, bytes] -> (codes int8 [rows, cols], scale float32 [rows, cols / 32])
+    with ``w = codes * scale`` per group of 32, the block's own numbers (fp16 scales)."""
+    assert qtype in Q8_TYPES, qtype
+    blocks = raw.reshape(raw.shape[0], -1, 34)
+    d = blocks[..., :2].copy().view(np.float16).astype(np.float32)[..., 0]
+    return blocks[..., 2:].copy().view(np.int8).reshape(raw.shape[0], -1), d

@@ -13,7 +13,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Protocol
+from typing import Callable, Iterator, Protocol
 
 import numpy as np
 import torch
@@ -21,9 +21,9 @@ from torch import nn
 
 from .config import ModelConfig, ModelLoadError
 from .gguf_file import GGUFFile, GGUFTensor
-from .int4 import Int4Linear, gguf_q4, packable
+from .int4 import Q4_TYPES, Q8_TYPES, Int4Linear, gguf_q4, gguf_q8, packable
 from .parallel import TensorParallel
-from .prepack import q4_layout, reads_q4_copies
+from .prepack import q4_layout, q8_layout, reads_gguf_blocks
 from .quant import check_quantization, quantize_linears
 from .transformer import Transformer
 
@@ -119,7 +119,7 @@ def load_model(spec: ModelSpec, tp: TensorParallel | None = None, device: str | 
     tp, device = tp or TensorParallel(), device or spec.device
     if spec.is_gguf:
         model = _load_gguf(spec.path, spec.dtype, device, tp, keep_q4=spec.quantization == "gguf",
-                           q4_copies=spec.quantization == "none" and reads_q4_copies(torch.device(device), spec.dtype))
+                           blocks=spec.quantization == "none" and reads_gguf_blocks(torch.device(device), spec.dtype))
     else:
         model = _load_hf(spec.path, spec.dtype, device, tp)
     return quantize_linears(model) if spec.quantization == "int8" else model
@@ -337,11 +337,11 @@ def _unpermute(w, heads: int):
 
 
 def _load_gguf(path: str, dtype, device, tp: TensorParallel, keep_q4: bool = False,
-               q4_copies: bool = False) -> Transformer:
+               blocks: bool = False) -> Transformer:
     """``keep_q4``: linear layers stored as Q4_0/Q4_1 are built from those blocks as they are
-    (:func:`_int4_linears`); everything else is dequantized into ``dtype``. ``q4_copies``: those
-    blocks are also kept beside the dequantized weights, for the runner's AMX layout to read at
-    one row (:func:`_q4_copies`)."""
+    (:func:`_int4_linears`); everything else is dequantized into ``dtype``. ``blocks``: Q4_0,
+    Q4_1 and Q8_0 layers' blocks are also kept beside the dequantized weights, for the runner's
+    AMX layout to read at one row (:func:`_gguf_blocks`)."""
     gguf = GGUFFile(path)
     cfg = _gguf_config(gguf)
     model = Transformer(cfg, dtype, device, tp)
@@ -363,8 +363,8 @@ def _load_gguf(path: str, dtype, device, tp: TensorParallel, keep_q4: bool = Fal
     if keep_q4:
         for name in _int4_linears(model, named, dtype, device):
             del named[name]
-    elif q4_copies:
-        _q4_copies(model, named)
+    elif blocks:
+        _gguf_blocks(model, named)
     _fill(model, _GGUFSource(named), path)
     return model
 
@@ -389,21 +389,21 @@ class _GGUFSource:
         return _unpermute(w, heads * (hi - lo) // t.shape[0]) if heads else w
 
 
-def _q4_layers(model: Transformer, named: dict[str, tuple[GGUFTensor, int]]) -> Iterator[tuple]:
-    """Every linear layer whose checkpoint weights are all Q4_0/Q4_1 blocks (in this rank's share,
-    whole groups of 32): (parent, attribute, checkpoint names, (codes, scale, minimum)) as
-    :func:`gguf_q4` gives them, the layer's parts concatenated, llama.cpp's row permutation undone."""
+def _block_layers(model: Transformer, named: dict[str, tuple[GGUFTensor, int]], fits: Callable,
+                  parse: Callable) -> Iterator[tuple]:
+    """Every linear layer whose checkpoint weights' shares on this rank all ``fits``: (parent,
+    attribute, checkpoint names, ``parse(raw, qtype)``'s arrays with the layer's parts
+    concatenated and llama.cpp's row permutation undone)."""
     for parent, attr, parts in _linear_parts(model):
         names = [f"{p.name}.weight" for p in parts]
         shares = [named[n][0].share(p.dim, p.lo, p.hi) if n in named else None for n, p in zip(names, parts)]
-        if not all(s is not None and packable(s.qtype, s.shape) for s in shares):
+        if not all(s is not None and fits(s) for s in shares):
             continue
-        blocks = [], [], []
+        parsed = []
         for n, s, p in zip(names, shares, parts):
             heads = named[n][1] * (p.hi - p.lo) // p.shape[0] if p.dim == 0 else 0
-            for out, x in zip(blocks, gguf_q4(s.raw, s.qtype)):
-                out.append(_unpermute(x, heads) if heads else x)
-        yield parent, attr, names, tuple(torch.from_numpy(np.concatenate(x)) for x in blocks)
+            parsed.append([_unpermute(x, heads) if heads else x for x in parse(s.raw, s.qtype)])
+        yield parent, attr, names, tuple(torch.from_numpy(np.concatenate(xs)) for xs in zip(*parsed))
 
 
 def _int4_linears(model: Transformer, named: dict[str, tuple[GGUFTensor, int]], dtype, device) -> list[str]:
@@ -415,7 +415,8 @@ def _int4_linears(model: Transformer, named: dict[str, tuple[GGUFTensor, int]], 
     with this kernel, as two 4-bit planes, took 1.9 vs 4.5 ms at 1 row but 42 vs 6 ms at 64:
     bench/results/int4.md)."""
     used = []
-    for parent, attr, names, (codes, scale, minimum) in _q4_layers(model, named):
+    layers = _block_layers(model, named, lambda share: packable(share.qtype, share.shape), gguf_q4)
+    for parent, attr, names, (codes, scale, minimum) in layers:
         lin = getattr(parent, attr)
         bias = None if lin.bias is None else torch.empty_like(lin.bias)
         zero = minimum + 8 * scale
@@ -425,14 +426,17 @@ def _int4_linears(model: Transformer, named: dict[str, tuple[GGUFTensor, int]], 
     return used
 
 
-def _q4_copies(model: Transformer, named: dict[str, tuple[GGUFTensor, int]]) -> None:
-    """Records every Q4_0/Q4_1 linear layer's blocks in ``model.q4_copies``, in the layout AMX's
-    one-row loop reads (:func:`.prepack.q4_layout`); the layer itself is filled with the
-    dequantized weights as usual."""
-    for parent, attr, _, blocks in _q4_layers(model, named):
-        layout = q4_layout(*blocks)
-        if layout is not None:
-            model.q4_copies[getattr(parent, attr)] = layout
+def _gguf_blocks(model: Transformer, named: dict[str, tuple[GGUFTensor, int]]) -> None:
+    """Records every Q4_0/Q4_1 and Q8_0 linear layer's blocks in ``model.gguf_blocks``, in the
+    layout AMX's one-row loop reads (:func:`.prepack.q4_layout`, :func:`.prepack.q8_layout`); the
+    layer itself is filled with the dequantized weights as usual."""
+    for qtypes, parse, layout in ((Q4_TYPES, gguf_q4, q4_layout), (Q8_TYPES, gguf_q8, q8_layout)):
+        # A share's columns are whole blocks of 32 (share() says None otherwise).
+        layers = _block_layers(model, named, lambda share: share.qtype in qtypes and len(share.shape) == 2, parse)
+        for parent, attr, _, arrays in layers:
+            blocks = layout(*arrays)
+            if blocks is not None:
+                model.gguf_blocks[getattr(parent, attr)] = blocks
 
 
 def read_model_config(spec: ModelSpec) -> ModelConfig:

@@ -25,20 +25,24 @@ decode step, runs in leanserve's own loop, a prefetched stream over the weights,
 in that micro-kernel (``at::native::cpublas::brgemm``). The default model's 121 GEMMs of a
 step, in a step's order, on a 2-core Xeon: 1.48x oneDNN's matmul at one row (its weights
 streamed at ~18 GB/s, the loop's at 26, a plain read of the same bytes at 27), 1.27-1.30x at
-2-64 rows (the micro-kernel without the matmul's per-call work), 1.12x at 192, 0.97x at 512. Served at concurrency 1 (128-token prompts): 49.1 -> 68.7 output tok/s, TPOT
+2-64 rows (the micro-kernel without the matmul's per-call work), 1.12x at 192, 0.97x at 512.
+Served at concurrency 1 (128-token prompts): 49.1 -> 68.7 output tok/s, TPOT
 19.9 -> 14.2 ms; 1.08x at 64 (``bench/results/amx_linear_serve.md``). Its sums are in another
 order than F.linear's: the same to within a bf16 rounding. Where the kernel cannot be built,
 oneDNN's packing as above; CPUs without AMX keep it too (the micro-kernel runs there, but its
 speed against the matmul is not measured).
 
-A batch-1 step is bound by reading the weights, and a GGUF file's Q4_0/Q4_1 layers hold them in
-5 bits instead of bf16's 16. So where such a model is loaded in bf16 for AMX's layout, the loader
-keeps each Q4 layer's blocks beside its bf16 weight (``Transformer.q4_copies``, in
-:func:`q4_layout`'s order, +31 % of the layer's bytes), and the one-row loop reads those: it
-computes every weight as gguf-py's dequantization does and rounds it to bf16 as the load did, so
-its products are those of the bf16 loop, bit for bit; a model is the same model at every row
-count. More rows keep to the bf16 copy. The default model's 120 Q4 layers of a step: 9.4 -> 6.1
-ms on the 2-core Xeon, a batch-1 step 16.2 -> 12.5 ms.
+A batch-1 step is bound by reading the weights, and a GGUF file holds them in 5 bits (Q4_0,
+Q4_1) or 8.5 (Q8_0) instead of bf16's 16. So where such a model is loaded in bf16 for AMX's
+layout, the loader keeps each such layer's blocks beside its bf16 weight
+(``Transformer.gguf_blocks``, in :func:`q4_layout`'s or :func:`q8_layout`'s order: +31 % or +53 %
+of the layer's bytes), and the one-row loop reads those: it computes every weight as gguf-py's
+dequantization does and rounds it to bf16 as the load did, so its products are those of the bf16
+loop, bit for bit; a model is the same model at every row count. More rows keep to the bf16
+copy. The default model's 120 Q4 layers of a step: 9.4 -> 6.1 ms on the 2-core Xeon, a batch-1
+step 16.2 -> 12.5 ms; its Q8_0 output head (the embedding's table) read as Q8_0 too, a step
+14.85 -> 14.21 ms more (the head alone, its weights left in the caches by the call before: 1.20
+ms either way, where the loop is bound by the dequantization).
 
 Only where the packed op exists for the weights' dtype: bf16 on a CPU with oneDNN bf16 support.
 float32 stays on ``F.linear``: its packed kernels (MKL's or oneDNN's) differ from it in the last
@@ -88,40 +92,53 @@ class AmxLinear(nn.Module):
     micro-kernel: ``[N / 32, K / 2, 32, 2]``, pairs of input features interleaved in blocks of 32
     output features, the last block padded with zeros. ``kernels/amx_linear.cpp`` computes one row
     with its own prefetched loop and more with the micro-kernel, both over this one copy; given
-    the weight's GGUF 4-bit blocks (``q4``, :func:`q4_layout`), one row reads those instead and
-    computes the same bf16 weights from them, bit for bit."""
+    the weight's GGUF blocks (``blocks``: :func:`q4_layout`'s or :func:`q8_layout`'s codes and
+    scales), one row reads those instead and computes the same bf16 weights from them, bit for bit."""
 
     BLOCK = 32
 
-    def __init__(self, linear: nn.Linear, op, q4: tuple[torch.Tensor, torch.Tensor] | None = None):
+    def __init__(self, linear: nn.Linear, op, blocks: tuple[torch.Tensor, torch.Tensor] | None = None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.op = op
-        blocks = -(-self.out_features // self.BLOCK)
-        padding = blocks * self.BLOCK - self.out_features
+        blocks_n = -(-self.out_features // self.BLOCK)
+        padding = blocks_n * self.BLOCK - self.out_features
         weight = F.pad(linear.weight.detach(), (0, 0, 0, padding))
-        packed = weight.view(blocks, self.BLOCK, self.in_features // 2, 2).transpose(1, 2).contiguous()
+        packed = weight.view(blocks_n, self.BLOCK, self.in_features // 2, 2).transpose(1, 2).contiguous()
         self.register_buffer("packed", packed, persistent=False)
         # float32, as the kernel adds it before its one rounding to bf16 (oneDNN does the same)
         bias = None if linear.bias is None else F.pad(linear.bias.detach().float(), (0, padding))
         self.register_buffer("bias", bias, persistent=False)
-        codes, dm = q4 or (None, None)
-        self.register_buffer("q4_codes", codes, persistent=False)
-        self.register_buffer("q4_dm", dm, persistent=False)
+        codes, scales = blocks or (None, None)
+        self.register_buffer("block_codes", codes, persistent=False)
+        self.register_buffer("block_scales", scales, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.op(x, self.packed, self.bias, self.out_features, self.q4_codes, self.q4_dm)
+        return self.op(x, self.packed, self.bias, self.out_features, self.block_codes, self.block_scales)
 
     def extra_repr(self) -> str:
-        q4 = ", one row from its 4-bit blocks" if self.q4_codes is not None else ""
-        return f"{self.in_features} -> {self.out_features}, weight packed for AMX{q4}"
+        blocks = "" if self.block_codes is None else \
+            f", one row from its {'Q4' if self.block_codes.dtype == torch.uint8 else 'Q8_0'} blocks"
+        return f"{self.in_features} -> {self.out_features}, weight packed for AMX{blocks}"
 
 
-def reads_q4_copies(device: torch.device, dtype: torch.dtype) -> bool:
+def reads_gguf_blocks(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether a model of ``dtype`` on ``device`` would be packed for AMX, whose one-row loop reads
-    a GGUF file's Q4_0/Q4_1 blocks where the loader keeps them (:func:`q4_layout`)."""
+    a GGUF file's Q4_0, Q4_1 and Q8_0 blocks where the loader keeps them."""
     return device.type == "cpu" and packs(device, dtype) and torch.cpu._is_amx_tile_supported() \
         and torch.backends.mkldnn.enabled
+
+
+def _blocked(t: torch.Tensor, n: int) -> torch.Tensor:
+    """Rows [N, ...] padded with zeros to whole blocks of 32 and split: [N / 32, 32, ...]."""
+    blocks = -(-n // AmxLinear.BLOCK)
+    padded = F.pad(t, (0, 0) * (t.dim() - 1) + (0, blocks * AmxLinear.BLOCK - n))
+    return padded.view(blocks, AmxLinear.BLOCK, *t.shape[1:])
+
+
+def _fp16(scales: torch.Tensor) -> torch.Tensor | None:
+    half = scales.half()
+    return half.contiguous() if torch.equal(half.float(), scales) else None
 
 
 def q4_layout(codes: torch.Tensor, scale: torch.Tensor,
@@ -132,14 +149,19 @@ def q4_layout(codes: torch.Tensor, scale: torch.Tensor,
     low nibble), and scales and minimums fp16 [N / 32, K / 32, 2, 32]; the last block padded with
     zeros. None where a scale or minimum is not an fp16 value (Q4_0's ``-8 d`` past fp16's range)."""
     n, k = codes.shape
-    blocks = -(-n // AmxLinear.BLOCK)
-    rows = (0, 0, 0, blocks * AmxLinear.BLOCK - n)
-    codes, scale, minimum = (F.pad(t, rows) for t in (codes, scale, minimum))
-    pairs = codes.view(blocks, AmxLinear.BLOCK, k // 2, 2).transpose(1, 2)
-    dm = torch.stack([t.view(blocks, AmxLinear.BLOCK, -1).transpose(1, 2) for t in (scale, minimum)], dim=2)
-    if not torch.equal(dm.half().float(), dm):
-        return None
-    return (pairs[..., 0] | pairs[..., 1] << 4).contiguous(), dm.half().contiguous()
+    pairs = _blocked(codes, n).view(-1, AmxLinear.BLOCK, k // 2, 2).transpose(1, 2)
+    scales = _fp16(torch.stack([_blocked(t, n).transpose(1, 2) for t in (scale, minimum)], dim=2))
+    return None if scales is None else ((pairs[..., 0] | pairs[..., 1] << 4).contiguous(), scales)
+
+
+def q8_layout(codes: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A GGUF Q8_0 weight (``w = codes * scale`` per group of 32 inputs: codes int8 [N, K], scale
+    [N, K / 32], fp16 values) in the order of :class:`AmxLinear`'s packed weight: codes int8
+    [N / 32, K / 2, 32, 2], scales fp16 [N / 32, K / 32, 32]; the last block padded with zeros."""
+    n, k = codes.shape
+    pairs = _blocked(codes, n).view(-1, AmxLinear.BLOCK, k // 2, 2).transpose(1, 2).contiguous()
+    scales = _fp16(_blocked(scale, n).transpose(1, 2))
+    return None if scales is None else (pairs, scales)
 
 
 def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
@@ -160,12 +182,12 @@ def prepack_linears(model: nn.Module, device: torch.device) -> int:
     returns how many it replaced (0 elsewhere). Quantized layers (int8, int4) are left alone."""
     linears = [entry for entry in _linears(model) if packs(device, entry[2].weight.dtype)]
     amx = kernels.amx_linear() if linears and packs_for_amx(model, device) else None
-    q4_copies = getattr(model, "q4_copies", {})
+    gguf_blocks = getattr(model, "gguf_blocks", {})
     replaced = len(linears)
     while linears:  # each plain weight dropped as its packed copy is made, not all at the end
         parent, name, child = linears.pop()
-        setattr(parent, name, AmxLinear(child, amx, q4_copies.pop(child, None))
+        setattr(parent, name, AmxLinear(child, amx, gguf_blocks.pop(child, None))
                 if amx is not None and child.in_features % 2 == 0 else PackedLinear(child))
         del child
-    q4_copies.clear()  # none left unread where nothing was packed for AMX
+    gguf_blocks.clear()  # none left unread where nothing was packed for AMX
     return replaced

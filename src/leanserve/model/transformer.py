@@ -123,10 +123,10 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, vocab, bias=False, device="meta")
         self.lm_head.weight = (self.embed_tokens.weight if cfg.tie_word_embeddings
                                else _empty(vocab, cfg.hidden_size, dtype=dtype, device=device))
-        # A GGUF file's 4-bit blocks of linear layers, by layer, kept by the loader beside the
-        # dequantized weights for the runner's packing to take (prepack.py's q4_layout); emptied
-        # there.
-        self.q4_copies: dict[nn.Module, tuple[torch.Tensor, torch.Tensor]] = {}
+        # A GGUF file's Q4/Q8_0 blocks of linear layers, by layer, kept by the loader beside the
+        # dequantized weights for the runner's packing to take (prepack.py's q4_layout and
+        # q8_layout); emptied there.
+        self.gguf_blocks: dict[nn.Module, tuple[torch.Tensor, torch.Tensor]] = {}
         # float32 rotary tables over the whole context; indexed by position each step.
         self.register_buffer("inv_freq", cfg.rope_inv_freq().to(device), persistent=False)
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None

@@ -19,18 +19,20 @@
 // does. Results agree with F.linear to within a bf16 rounding (sums in another order), and a
 // row's result depends on the row count only through which of the two paths runs it.
 //
-// Where the weight came from a GGUF file's Q4_0 / Q4_1 blocks, one row can read those instead
-// (q4_codes, q4_dm: model/prepack.py's q4_layout): the codes in the packed weight's order, a byte
-// per block line per pair of inputs (the first input's code in the low nibble), [N / 32][K / 2][32],
-// and each 32-input group's scale d and minimum m (Q4_0: -8 d) as the file stores them, fp16,
-// [N / 32][K / 32][2][32]. The loop computes each weight as gguf-py's dequantization does,
-// d * q + m in float32 (exact but for the one rounding of the sum: d has 11 significant bits and
-// q 4), rounds it to bf16 as the load did, and goes on as over the packed line: the same products
-// in the same order, bit for bit, from 5 bits a weight instead of 16. The dequantization is the
-// loop's cost (~11 vector instructions per 32 weights, most of them on the two 512-bit ports), so
-// it runs at ~11 GB/s of codes where the bf16 loop streams 26: the default model's 120 Q4 layers
-// of a step 9.4 -> 6.1 ms on the 2-core Xeon. More rows keep to the bf16 copy: dequantizing a
-// block per call cost more than the micro-kernel saved (256 rows: 42 -> 59 ms).
+// Where the weight came from a GGUF file's Q4_0 / Q4_1 or Q8_0 blocks, one row can read those
+// instead (codes, scales: model/prepack.py's q4_layout and q8_layout), in the packed weight's
+// order: Q4 a byte per block line per pair of inputs (the first input's code in the low nibble),
+// [N / 32][K / 2][32], with each 32-input group's scale d and minimum m (Q4_0: -8 d) as the file
+// stores them, fp16, [N / 32][K / 32][2][32]; Q8_0 its int8 codes as the bf16 values lie,
+// [N / 32][K / 2][32][2], with d, [N / 32][K / 32][32]. The loop computes each weight as gguf-py's
+// dequantization does, d * q + m or d * q in float32 (exact but for the one rounding of the sum:
+// d has 11 significant bits, q 4 or 8), rounds it to bf16 as the load did, and goes on as over the
+// packed line: the same products in the same order, bit for bit, from 5 or 8.5 bits a weight
+// instead of 16. The dequantization is the loop's cost (~11 vector instructions per 32 Q4 weights,
+// ~9 per Q8 ones, most of them on the two 512-bit ports): the default model's 120 Q4 layers of a
+// step 9.4 -> 6.1 ms on the 2-core Xeon, where the bf16 loop streams 26 GB/s and this one reads
+// ~11. More rows keep to the bf16 copy: dequantizing a block per call cost more than the
+// micro-kernel saved (256 rows: 42 -> 59 ms).
 //
 // Built at run time by leanserve/model/kernels/__init__.py. The runner packs for it on CPUs with
 // AMX only: the micro-kernel also runs on AVX512-BF16 without AMX, but its speed there against
@@ -132,6 +134,50 @@ inline __m512 q4_params(const c10::Half* p, int h) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 * h)));
 }
 
+// Q8_0: the 32 bf16 weights of a pair of 16 features whose int8 codes start at `codes` (two per
+// feature, in the packed line's order), given their scales in pairs (d of feature f in lanes 2f
+// and 2f + 1 of `d0` for features 0-7, of `d1` for 8-15): the products come out in the line's
+// order, no permutation needed.
+inline __m512bh q8_line(const int8_t* codes, __m512 d0, __m512 d1) {
+  const __m512 w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                                      reinterpret_cast<const __m128i*>(codes)))), d0);
+  const __m512 w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                                      reinterpret_cast<const __m128i*>(codes + 16)))), d1);
+  return _mm512_cvtne2ps_pbh(w1, w0);
+}
+
+// Scales of features [8 q, 8 q + 8) of a block's group, each twice: lanes 2f and 2f + 1.
+inline __m512 q8_scales(const c10::Half* d, int q) {
+  const __m512 s =
+      _mm512_cvtph_ps(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + 8 * q))));
+  return _mm512_permutexvar_ps(_mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0), s);
+}
+
+// Blocks [b0, b1) of one row over Q8_0 codes, as one_row over the dequantized weights.
+void q8_one_row(const c10::BFloat16* x, const int8_t* codes, const c10::Half* scales, const float* bias,
+                c10::BFloat16* y, int64_t K, int64_t N, int64_t b0, int64_t b1) {
+  const int64_t pairs = K / 2, groups = K / kGroup;
+  for (int64_t b = b0; b < b1; ++b) {
+    const int8_t* c = codes + b * pairs * kBlock * 2;
+    const c10::Half* d = scales + b * groups * kBlock;
+    __m512 lo0 = _mm512_setzero_ps(), hi0 = _mm512_setzero_ps(), lo1 = _mm512_setzero_ps(), hi1 = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g, d += kBlock) {
+      const __m512 d0 = q8_scales(d, 0), d1 = q8_scales(d, 1), d2 = q8_scales(d, 2), d3 = q8_scales(d, 3);
+      for (int64_t p = g * kGroup / 2; p < (g + 1) * kGroup / 2; p += 2, c += 4 * kBlock) {
+        _mm_prefetch(reinterpret_cast<const char*>(c) + kPrefetchBytes, _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(c) + kPrefetchBytes + 64, _MM_HINT_T1);
+        const __m512bh x0 = broadcast_pair(x + 2 * p), x1 = broadcast_pair(x + 2 * p + 2);
+        lo0 = _mm512_dpbf16_ps(lo0, x0, q8_line(c, d0, d1));
+        hi0 = _mm512_dpbf16_ps(hi0, x0, q8_line(c + 32, d2, d3));
+        lo1 = _mm512_dpbf16_ps(lo1, x1, q8_line(c + 64, d0, d1));
+        hi1 = _mm512_dpbf16_ps(hi1, x1, q8_line(c + 96, d2, d3));
+      }
+    }
+    store_block(_mm512_add_ps(lo0, lo1), _mm512_add_ps(hi0, hi1), bias ? bias + b * kBlock : nullptr,
+                y + b * kBlock, std::min(kBlock, N - b * kBlock));
+  }
+}
+
 // Blocks [b0, b1) of one row, as one_row over the dequantized weights (the same products in the
 // same order).
 void q4_one_row(const c10::BFloat16* x, const uint8_t* codes, const c10::Half* dm, const float* bias,
@@ -160,8 +206,8 @@ void q4_one_row(const c10::BFloat16* x, const uint8_t* codes, const c10::Half* d
 }
 
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                      int64_t out_features, const std::optional<at::Tensor>& q4_codes,
-                      const std::optional<at::Tensor>& q4_dm) {
+                      int64_t out_features, const std::optional<at::Tensor>& codes,
+                      const std::optional<at::Tensor>& scales) {
   TORCH_CHECK(x.dim() >= 1, "amx_linear: an input of at least one dimension");
   const int64_t K = x.size(-1);
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
@@ -175,15 +221,20 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, const std::
               "amx_linear: ", out_features, " output features do not fit ", blocks, " blocks of 32");
   TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == blocks * kBlock),
               "amx_linear: bias float32, padded to the blocks' ", blocks * kBlock, " features");
-  TORCH_CHECK(q4_codes.has_value() == q4_dm.has_value(), "amx_linear: q4_codes and q4_dm go together");
-  if (q4_codes) {
-    TORCH_CHECK(K % kGroup == 0 && q4_codes->scalar_type() == at::kByte && q4_codes->is_contiguous() &&
-                    q4_codes->sizes() == at::IntArrayRef({blocks, K / 2, kBlock}),
-                "amx_linear: q4_codes uint8 [N / 32, K / 2, 32] for an input of ", K,
-                " features (a multiple of 32), got ", q4_codes->sizes());
-    TORCH_CHECK(q4_dm->scalar_type() == at::kHalf && q4_dm->is_contiguous() &&
-                    q4_dm->sizes() == at::IntArrayRef({blocks, K / kGroup, 2, kBlock}),
-                "amx_linear: q4_dm float16 [N / 32, K / 32, 2, 32], got ", q4_dm->sizes());
+  TORCH_CHECK(codes.has_value() == scales.has_value(), "amx_linear: codes and scales go together");
+  const bool q4 = codes && codes->scalar_type() == at::kByte;
+  if (codes) {
+    TORCH_CHECK(K % kGroup == 0 && codes->is_contiguous() && scales->is_contiguous() &&
+                    scales->scalar_type() == at::kHalf,
+                "amx_linear: codes and float16 scales, contiguous, for an input of a multiple of 32 features");
+    TORCH_CHECK(q4 ? codes->sizes() == at::IntArrayRef({blocks, K / 2, kBlock}) &&
+                         scales->sizes() == at::IntArrayRef({blocks, K / kGroup, 2, kBlock})
+                   : codes->scalar_type() == at::kChar &&
+                         codes->sizes() == at::IntArrayRef({blocks, K / 2, kBlock, 2}) &&
+                         scales->sizes() == at::IntArrayRef({blocks, K / kGroup, kBlock}),
+                "amx_linear: Q4 codes uint8 [N / 32, K / 2, 32] with scales [N / 32, K / 32, 2, 32], or Q8_0 codes "
+                "int8 [N / 32, K / 2, 32, 2] with scales [N / 32, K / 32, 32]; got codes ", codes->scalar_type(), " ",
+                codes->sizes(), " and scales ", scales->sizes(), " for ", K, " input features");
   }
   const at::Tensor rows = x.reshape({-1, K}).contiguous();
   const int64_t M = rows.size(0), N = out_features;
@@ -195,10 +246,14 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, const std::
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   auto* yp = y.data_ptr<c10::BFloat16>();
   if (M == 0) return y.view(sizes);
-  if (M == 1 && q4_codes) {
-    const auto* cp = q4_codes->data_ptr<uint8_t>();
-    const auto* dp = q4_dm->data_ptr<c10::Half>();
-    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) { q4_one_row(xp, cp, dp, bp, yp, K, N, b0, b1); });
+  if (M == 1 && codes) {
+    const auto* dp = scales->data_ptr<c10::Half>();
+    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+      if (q4)
+        q4_one_row(xp, codes->data_ptr<uint8_t>(), dp, bp, yp, K, N, b0, b1);
+      else
+        q8_one_row(xp, codes->data_ptr<int8_t>(), dp, bp, yp, K, N, b0, b1);
+    });
     return y.view(sizes);
   }
   if (M == 1) {
@@ -237,8 +292,8 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, const std::
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(leanserve, m) {
-  m.def("amx_linear(Tensor x, Tensor weight, Tensor? bias, int out_features, Tensor? q4_codes=None, "
-        "Tensor? q4_dm=None) -> Tensor");
+  m.def("amx_linear(Tensor x, Tensor weight, Tensor? bias, int out_features, Tensor? codes=None, "
+        "Tensor? scales=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(leanserve, CPU, m) { m.impl("amx_linear", amx_linear); }
