@@ -140,8 +140,13 @@ def test_amx_linear_refuses_what_it_cannot_compute():
         op(x, amx.packed, amx.bias, 40, codes)
     with pytest.raises(RuntimeError, match=r"Q4 codes uint8 \[N / 32, K / 2, 32\] with scales"):
         op(x, amx.packed, amx.bias, 40, codes[:, :16].contiguous(), scales)
-    with pytest.raises(RuntimeError, match=r"or Q8_0 codes int8 \[N / 32, K / 2, 32, 2\]"):
-        op(x, amx.packed, amx.bias, 40, *q8_layout(*q8_blocks(40, 32)))
+    codes8, scales8 = q8_layout(*q8_blocks(40, 64))
+    op(x[:1], amx.packed, amx.bias, 40, codes8, scales8)
+    for bad in ((codes8, scales), (codes8.short(), scales8), (codes, scales8)):
+        with pytest.raises(RuntimeError, match=r"or Q8_0 codes int8 \[N / 32, K / 2, 32, 2\]"):
+            op(x, amx.packed, amx.bias, 40, *bad)
+    with pytest.raises(ValueError, match="blocks: codes .* do not match the weight's 2 blocks"):
+        AmxLinear(lin, op, q8_layout(*q8_blocks(96, 64)))
     with pytest.raises(RuntimeError, match="float16 scales"):
         op(x, amx.packed, amx.bias, 40, codes, scales.float())
 
@@ -151,7 +156,7 @@ def q4_blocks(n: int, k: int, q4_0: bool = False, seed: int = 0) -> tuple[torch.
     and a minimum of fp16 values (Q4_0: the minimum is -8 times the scale)."""
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
-    scale = (torch.rand(n, k // 32, generator=g) / 40).half().float()
+    scale = ((torch.rand(n, k // 32, generator=g) - 0.2) / 40).half().float()  # some negative, as in files
     minimum = -8 * scale if q4_0 else (torch.randn(n, k // 32, generator=g) / 10).half().float()
     return codes, scale, minimum
 
@@ -160,7 +165,7 @@ def q8_blocks(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
     """A random GGUF Q8_0 weight as gguf_q8 gives one: int8 codes and fp16 scales per 32 inputs."""
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
-    return codes, (torch.rand(n, k // 32, generator=g) / 100).half().float()
+    return codes, ((torch.rand(n, k // 32, generator=g) - 0.2) / 100).half().float()
 
 
 def blocks_linear(codes, scale, minimum=None, bias: bool = False) -> nn.Linear:

@@ -22,7 +22,7 @@ from ..model import kernels
 from ..model.attention import (AttentionMetadata, DecodeMaskTable, GatherScratch, PagedDecode, bucket,
                                decode_groups)
 from ..model.layer_ops import use_cpu_kernels
-from ..model.prepack import packs_for_amx, prepack_linears
+from ..model.prepack import has_amx, packs_for_amx, prepack_linears
 from ..model.transformer import Transformer
 from .batch_state import BatchState, blocks_needed
 from .kv_cache import KVCache
@@ -183,7 +183,7 @@ def sdpa_prefills_faster(dtype: torch.dtype) -> bool:
     brgemm) and leanserve's kernel, whose products are AVX512 vector instructions, has no AMX
     path: 1.4-3.0x faster a chunk of the default model, the context's gather included
     (``bench/results/prefill_on_amx.md``)."""
-    return dtype == torch.bfloat16 and torch.cpu._is_amx_tile_supported() and torch.backends.mkldnn.enabled
+    return dtype == torch.bfloat16 and has_amx()
 
 
 def attention_kernels(backend: str, model: Transformer, kv_cache: KVCache, device: torch.device) -> AttentionKernels:

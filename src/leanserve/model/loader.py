@@ -113,8 +113,10 @@ class ModelSpec:
 def load_model(spec: ModelSpec, tp: TensorParallel | None = None, device: str | None = None) -> Transformer:
     """Builds the model ``spec`` names, or with ``tp`` the share of it that rank holds (read from
     the same file, only that share), on ``device`` (default: the spec's). ``quantization``:
-    ``none`` keeps the checkpoint's values in ``dtype``; ``int8`` replaces the linear weights by
-    int8 ones at every row count (see :mod:`.quant`); ``gguf`` computes a GGUF file's
+    ``none`` keeps the checkpoint's values in ``dtype`` (and, for a bf16 GGUF model on a CPU with
+    AMX, its Q4/Q8_0 layers' blocks too, in ``model.gguf_blocks``, which the runner's packing
+    reads the same values from at one row: see :mod:`.prepack`); ``int8`` replaces the linear
+    weights by int8 ones at every row count (see :mod:`.quant`); ``gguf`` computes a GGUF file's
     Q4_0/Q4_1 linear layers on their 4-bit blocks (see :mod:`.int4`)."""
     tp, device = tp or TensorParallel(), device or spec.device
     if spec.is_gguf:
@@ -434,7 +436,10 @@ def _gguf_blocks(model: Transformer, named: dict[str, tuple[GGUFTensor, int]]) -
         # A share's columns are whole blocks of 32 (share() says None otherwise).
         layers = _block_layers(model, named, lambda share: share.qtype in qtypes and len(share.shape) == 2, parse)
         for parent, attr, _, arrays in layers:
-            blocks = layout(*arrays)
+            # The last rank's vocabulary share of a head is shorter than its rows (zero padding,
+            # TensorParallel.vocab_share): its blocks are padded alike.
+            missing = getattr(parent, attr).out_features - arrays[0].shape[0]
+            blocks = layout(*(torch.cat((a, a.new_zeros(missing, *a.shape[1:]))) for a in arrays))
             if blocks is not None:
                 model.gguf_blocks[getattr(parent, attr)] = blocks
 

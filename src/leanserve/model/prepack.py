@@ -40,8 +40,8 @@ of the layer's bytes), and the one-row loop reads those: it computes every weigh
 dequantization does and rounds it to bf16 as the load did, so its products are those of the bf16
 loop, bit for bit; a model is the same model at every row count. More rows keep to the bf16
 copy. The default model's 120 Q4 layers of a step: 9.4 -> 6.1 ms on the 2-core Xeon, a batch-1
-step 16.2 -> 12.5 ms; its Q8_0 output head (the embedding's table) read as Q8_0 too, a step
-14.85 -> 14.21 ms more (the head alone, its weights left in the caches by the call before: 1.20
+step 16.2 -> 12.5 ms; its Q8_0 output head (the embedding's table) read as Q8_0 too, in another,
+noisier run a step 14.85 -> 14.21 ms more (the head alone, its weights left in the caches by the call before: 1.20
 ms either way, where the loop is bound by the dequantization).
 
 Only where the packed op exists for the weights' dtype: bf16 on a CPU with oneDNN bf16 support.
@@ -110,6 +110,9 @@ class AmxLinear(nn.Module):
         bias = None if linear.bias is None else F.pad(linear.bias.detach().float(), (0, padding))
         self.register_buffer("bias", bias, persistent=False)
         codes, scales = blocks or (None, None)
+        if codes is not None and codes.shape[:2] != packed.shape[:2]:
+            raise ValueError(f"blocks: codes {tuple(codes.shape)} do not match the weight's {blocks_n} blocks of "
+                             f"{self.in_features // 2} input pairs")
         self.register_buffer("block_codes", codes, persistent=False)
         self.register_buffer("block_scales", scales, persistent=False)
 
@@ -122,11 +125,15 @@ class AmxLinear(nn.Module):
         return f"{self.in_features} -> {self.out_features}, weight packed for AMX{blocks}"
 
 
+def has_amx() -> bool:
+    """A CPU with AMX whose tile unit torch's oneDNN may use (not turned off)."""
+    return torch.cpu._is_amx_tile_supported() and torch.backends.mkldnn.enabled
+
+
 def reads_gguf_blocks(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether a model of ``dtype`` on ``device`` would be packed for AMX, whose one-row loop reads
     a GGUF file's Q4_0, Q4_1 and Q8_0 blocks where the loader keeps them."""
-    return device.type == "cpu" and packs(device, dtype) and torch.cpu._is_amx_tile_supported() \
-        and torch.backends.mkldnn.enabled
+    return packs(device, dtype) and has_amx()
 
 
 def _blocked(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -172,8 +179,7 @@ def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
 def packs_for_amx(model: nn.Module, device: torch.device) -> bool:
     """Whether :func:`prepack_linears` packs ``model``'s linear layers for :class:`AmxLinear`: bf16
     on a CPU with AMX (where the kernel builds: the runner builds it beside the others first)."""
-    return (torch.cpu._is_amx_tile_supported() and torch.backends.mkldnn.enabled
-            and any(packs(device, linear.weight.dtype) for _, _, linear in _linears(model)))
+    return has_amx() and any(packs(device, linear.weight.dtype) for _, _, linear in _linears(model))
 
 
 def prepack_linears(model: nn.Module, device: torch.device) -> int:

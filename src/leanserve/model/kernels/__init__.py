@@ -157,9 +157,9 @@ def layer_ops() -> object | None:
 
 @functools.cache
 def amx_linear() -> Callable | None:
-    """``torch.ops.leanserve.amx_linear(x, weight, bias, out_features, q4_codes=None, q4_dm=None)``
+    """``torch.ops.leanserve.amx_linear(x, weight, bias, out_features, codes=None, scales=None)``
     (bf16 linear layers over weights packed for oneDNN's AMX micro-kernel, one row optionally
-    from the GGUF file's 4-bit blocks, :mod:`leanserve.model.prepack`), or None where
+    from the GGUF file's Q4 or Q8_0 blocks, :mod:`leanserve.model.prepack`), or None where
     it cannot be built here. Only for CPUs with AMX."""
     if not _load("amx_linear", "linear layers on AMX", "oneDNN's packed weights"):
         return None

@@ -21,7 +21,7 @@
 //
 // Where the weight came from a GGUF file's Q4_0 / Q4_1 or Q8_0 blocks, one row can read those
 // instead (codes, scales: model/prepack.py's q4_layout and q8_layout), in the packed weight's
-// order: Q4 a byte per block line per pair of inputs (the first input's code in the low nibble),
+// order: Q4 a byte per output feature per pair of inputs (the first input's code in the low nibble),
 // [N / 32][K / 2][32], with each 32-input group's scale d and minimum m (Q4_0: -8 d) as the file
 // stores them, fp16, [N / 32][K / 32][2][32]; Q8_0 its int8 codes as the bf16 values lie,
 // [N / 32][K / 2][32][2], with d, [N / 32][K / 32][32]. The loop computes each weight as gguf-py's
@@ -30,8 +30,8 @@
 // packed line: the same products in the same order, bit for bit, from 5 or 8.5 bits a weight
 // instead of 16. The dequantization is the loop's cost (~11 vector instructions per 32 Q4 weights,
 // ~9 per Q8 ones, most of them on the two 512-bit ports): the default model's 120 Q4 layers of a
-// step 9.4 -> 6.1 ms on the 2-core Xeon, where the bf16 loop streams 26 GB/s and this one reads
-// ~11. More rows keep to the bf16 copy: dequantizing a block per call cost more than the
+// step 9.4 -> 6.1 ms on the 2-core Xeon, the bf16 loop reading those layers at ~23 GB/s and this
+// one their blocks at ~11. More rows keep to the bf16 copy: dequantizing a block per call cost more than the
 // micro-kernel saved (256 rows: 42 -> 59 ms).
 //
 // Built at run time by leanserve/model/kernels/__init__.py. The runner packs for it on CPUs with
@@ -55,7 +55,7 @@
 namespace {
 
 constexpr int64_t kBlock = 32;            // output features per block of the packed weight
-constexpr int64_t kGroup = 32;            // inputs per scale of a Q4 weight (a GGUF block)
+constexpr int64_t kGroup = 32;            // inputs per scale of a GGUF Q4 or Q8_0 block
 constexpr int64_t kBrgemmRows = 256;      // rows per micro-kernel call
 constexpr int64_t kBrgemmStep = 16;       // ... a multiple of this plus a remainder: see amx_linear
 constexpr int64_t kPrefetchBytes = 8192;  // how far ahead of the one-row loop's reads
@@ -192,6 +192,9 @@ void q4_one_row(const c10::BFloat16* x, const uint8_t* codes, const c10::Half* d
       const __m512 dlo = q4_params(params, 0), dhi = q4_params(params, 1);
       const __m512 mlo = q4_params(params + kBlock, 0), mhi = q4_params(params + kBlock, 1);
       for (int64_t p = g * kGroup / 2; p < (g + 1) * kGroup / 2; p += 2, c += 2 * kBlock) {
+        // Half the bf16 loop's distance in bytes, twice its distance in weights (not tuned: the
+        // loop is bound by its arithmetic); the scales, a fifth of the bytes, are left to the
+        // hardware's prefetcher.
         _mm_prefetch(reinterpret_cast<const char*>(c) + kPrefetchBytes / 2, _MM_HINT_T1);
         const __m512bh x0 = broadcast_pair(x + 2 * p), x1 = broadcast_pair(x + 2 * p + 2);
         lo0 = _mm512_dpbf16_ps(lo0, x0, q4_line(c, dlo, mlo, interleave));
