@@ -214,11 +214,16 @@ def test_block_layouts_pad_the_last_block_and_refuse_what_fp16_cannot_hold():
     assert packed[1, 0, 18:].eq(0).all() and dm[1, :, :, 18:].eq(0).all()  # rows 50-63: padding
     assert dm[1, 1, 0, 3] == scale[35, 1] and dm[1, 1, 1, 3] == minimum[35, 1]
     assert q4_layout(codes, scale, minimum * 1e6) is None  # past fp16's range
+    # padded to a layer's rows (a tensor-parallel rank's head: its share shorter than its rows)
+    padded, padded_dm = q4_layout(codes, scale, minimum, rows=70)
+    assert padded.shape == (3, 32, 32) and torch.equal(padded[:2], packed) and not padded[2].any()
+    assert torch.equal(padded_dm[:2], dm) and not padded_dm[2].any()
     codes8, scale8 = q8_blocks(50, 64)
     packed8, scales8 = q8_layout(codes8, scale8)
     assert packed8.shape == (2, 32, 32, 2) and packed8.dtype == torch.int8 and scales8.shape == (2, 2, 32)
     assert packed8[0, 3, 5, 1] == codes8[5, 7] and scales8[1, 1, 3] == scale8[35, 1]
     assert packed8[1, :, 18:].eq(0).all() and scales8[1, :, 18:].eq(0).all()
+    assert q8_layout(codes8, scale8, rows=70)[0].shape == (3, 32, 32, 2)
 
 
 @pytest.mark.skipif(not AMX, reason="AMX's layout is packed on CPUs with AMX only")

@@ -186,6 +186,12 @@ def sdpa_prefills_faster(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and has_amx()
 
 
+def _takes_prefill_kernel(backend: str, dtype: torch.dtype) -> bool:
+    """Whether ``backend`` wants leanserve's prefill kernel for a cache of ``dtype`` (where it
+    applies and builds): cpu-paged always; auto unless SDPA is the faster."""
+    return backend == "cpu-paged" or (backend == "auto" and not sdpa_prefills_faster(dtype))
+
+
 def attention_kernels(backend: str, model: Transformer, kv_cache: KVCache, device: torch.device) -> AttentionKernels:
     """leanserve's CPU attention kernels for this model and cache. ``auto`` takes each kernel
     where it applies (the CPU, float32 or bfloat16, shapes within its limits), builds and is the
@@ -205,7 +211,7 @@ def attention_kernels(backend: str, model: Transformer, kv_cache: KVCache, devic
                                   if cfg.head_dim % 16 or cfg.head_dim > 256 else None)
     decode = kernels.paged_decode_attention() if why_not_decode is None else None
     prefill = (kernels.paged_prefill_attention() if why_not_prefill is None
-               and not (backend == "auto" and sdpa_prefills_faster(dtype)) else None)
+               and _takes_prefill_kernel(backend, dtype) else None)
     if backend == "cpu-paged":
         for kernel, why, what in ((decode, why_not_decode, "decode"), (prefill, why_not_prefill, "prefill")):
             if kernel is None:
@@ -228,10 +234,10 @@ class ModelRunner:
         dtype = model.embed_tokens.weight.dtype
         if self.device.type == "cpu" and dtype in kernels.DTYPES:
             # Built side by side, not one after another where each is first asked for.
-            prefill = attention_backend == "cpu-paged" or (attention_backend == "auto"
-                                                            and not sdpa_prefills_faster(dtype))
-            kernels.build_together(("layer_ops",) + (() if attention_backend == "sdpa" else ("paged_decode_attention",))
-                                   + (("paged_prefill_attention",) if prefill else ())
+            attention = () if attention_backend == "sdpa" else ("paged_decode_attention",)
+            if _takes_prefill_kernel(attention_backend, dtype):
+                attention += ("paged_prefill_attention",)
+            kernels.build_together(("layer_ops",) + attention
                                    + (("amx_linear",) if packs_for_amx(model, self.device) else ()))
         prepack_linears(model, self.device)  # bf16 on the CPU: weights in the GEMM's layout, once
         use_cpu_kernels(model.ops, self.device, dtype)  # norms, rotary, SiLU

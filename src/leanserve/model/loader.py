@@ -436,12 +436,12 @@ def _gguf_blocks(model: Transformer, named: dict[str, tuple[GGUFTensor, int]]) -
         # A share's columns are whole blocks of 32 (share() says None otherwise).
         layers = _block_layers(model, named, lambda share: share.qtype in qtypes and len(share.shape) == 2, parse)
         for parent, attr, _, arrays in layers:
-            # The last rank's vocabulary share of a head is shorter than its rows (zero padding,
-            # TensorParallel.vocab_share): its blocks are padded alike.
-            missing = getattr(parent, attr).out_features - arrays[0].shape[0]
-            blocks = layout(*(torch.cat((a, a.new_zeros(missing, *a.shape[1:]))) for a in arrays))
+            lin = getattr(parent, attr)
+            # Padded to the layer's rows: the last rank's vocabulary share of a head is shorter
+            # than its rows (zero padding, TensorParallel.vocab_share).
+            blocks = layout(*arrays, rows=lin.out_features)
             if blocks is not None:
-                model.gguf_blocks[getattr(parent, attr)] = blocks
+                model.gguf_blocks[lin] = blocks
 
 
 def read_model_config(spec: ModelSpec) -> ModelConfig:

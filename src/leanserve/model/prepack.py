@@ -41,8 +41,8 @@ dequantization does and rounds it to bf16 as the load did, so its products are t
 loop, bit for bit; a model is the same model at every row count. More rows keep to the bf16
 copy. The default model's 120 Q4 layers of a step: 9.4 -> 6.1 ms on the 2-core Xeon, a batch-1
 step 16.2 -> 12.5 ms; its Q8_0 output head (the embedding's table) read as Q8_0 too, in another,
-noisier run a step 14.85 -> 14.21 ms more (the head alone, its weights left in the caches by the call before: 1.20
-ms either way, where the loop is bound by the dequantization).
+noisier run a step 14.85 -> 14.21 ms more (the head alone, its weights left in the caches by the
+call before: 1.20 ms either way, where the loop is bound by the dequantization).
 
 Only where the packed op exists for the weights' dtype: bf16 on a CPU with oneDNN bf16 support.
 float32 stays on ``F.linear``: its packed kernels (MKL's or oneDNN's) differ from it in the last
@@ -92,26 +92,26 @@ class AmxLinear(nn.Module):
     micro-kernel: ``[N / 32, K / 2, 32, 2]``, pairs of input features interleaved in blocks of 32
     output features, the last block padded with zeros. ``kernels/amx_linear.cpp`` computes one row
     with its own prefetched loop and more with the micro-kernel, both over this one copy; given
-    the weight's GGUF blocks (``blocks``: :func:`q4_layout`'s or :func:`q8_layout`'s codes and
-    scales), one row reads those instead and computes the same bf16 weights from them, bit for bit."""
+    the weight's GGUF blocks (``gguf_blocks``: :func:`q4_layout`'s or :func:`q8_layout`'s codes
+    and scales), one row reads those instead and computes the same bf16 weights from them, bit for
+    bit."""
 
     BLOCK = 32
 
-    def __init__(self, linear: nn.Linear, op, blocks: tuple[torch.Tensor, torch.Tensor] | None = None):
+    def __init__(self, linear: nn.Linear, op, gguf_blocks: tuple[torch.Tensor, torch.Tensor] | None = None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.op = op
-        blocks_n = -(-self.out_features // self.BLOCK)
-        padding = blocks_n * self.BLOCK - self.out_features
-        weight = F.pad(linear.weight.detach(), (0, 0, 0, padding))
-        packed = weight.view(blocks_n, self.BLOCK, self.in_features // 2, 2).transpose(1, 2).contiguous()
+        packed = _pairs(linear.weight.detach(), self.out_features).contiguous()
+        blocks = packed.shape[0]
         self.register_buffer("packed", packed, persistent=False)
         # float32, as the kernel adds it before its one rounding to bf16 (oneDNN does the same)
+        padding = blocks * self.BLOCK - self.out_features
         bias = None if linear.bias is None else F.pad(linear.bias.detach().float(), (0, padding))
         self.register_buffer("bias", bias, persistent=False)
-        codes, scales = blocks or (None, None)
+        codes, scales = gguf_blocks or (None, None)
         if codes is not None and codes.shape[:2] != packed.shape[:2]:
-            raise ValueError(f"blocks: codes {tuple(codes.shape)} do not match the weight's {blocks_n} blocks of "
+            raise ValueError(f"blocks: codes {tuple(codes.shape)} do not match the weight's {blocks} blocks of "
                              f"{self.in_features // 2} input pairs")
         self.register_buffer("block_codes", codes, persistent=False)
         self.register_buffer("block_scales", scales, persistent=False)
@@ -136,11 +136,18 @@ def reads_gguf_blocks(device: torch.device, dtype: torch.dtype) -> bool:
     return packs(device, dtype) and has_amx()
 
 
-def _blocked(t: torch.Tensor, n: int) -> torch.Tensor:
-    """Rows [N, ...] padded with zeros to whole blocks of 32 and split: [N / 32, 32, ...]."""
-    blocks = -(-n // AmxLinear.BLOCK)
-    padded = F.pad(t, (0, 0) * (t.dim() - 1) + (0, blocks * AmxLinear.BLOCK - n))
+def _blocked(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t``'s rows [n, ...] padded with zeros to ``rows`` (at least n) rounded up to whole blocks
+    of 32, and split: [blocks, 32, ...]."""
+    blocks = -(-rows // AmxLinear.BLOCK)
+    padded = F.pad(t, (0, 0) * (t.dim() - 1) + (0, blocks * AmxLinear.BLOCK - t.shape[0]))
     return padded.view(blocks, AmxLinear.BLOCK, *t.shape[1:])
+
+
+def _pairs(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """A weight-shaped [n, K] tensor in the packed weight's order, a view: [blocks, K / 2, 32, 2]
+    (see :func:`_blocked`)."""
+    return _blocked(t, rows).view(-1, AmxLinear.BLOCK, t.shape[1] // 2, 2).transpose(1, 2)
 
 
 def _fp16(scales: torch.Tensor) -> torch.Tensor | None:
@@ -148,27 +155,28 @@ def _fp16(scales: torch.Tensor) -> torch.Tensor | None:
     return half.contiguous() if torch.equal(half.float(), scales) else None
 
 
-def q4_layout(codes: torch.Tensor, scale: torch.Tensor,
-              minimum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+def q4_layout(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+              rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A GGUF Q4 weight (``w = codes * scale + minimum`` per group of 32 inputs: codes uint8
     [N, K], scale and minimum [N, K / 32], fp16 values) in the order of :class:`AmxLinear`'s
     packed weight: codes [N / 32, K / 2, 32], a byte per pair of inputs (the first's code in the
-    low nibble), and scales and minimums fp16 [N / 32, K / 32, 2, 32]; the last block padded with
-    zeros. None where a scale or minimum is not an fp16 value (Q4_0's ``-8 d`` past fp16's range)."""
-    n, k = codes.shape
-    pairs = _blocked(codes, n).view(-1, AmxLinear.BLOCK, k // 2, 2).transpose(1, 2)
-    scales = _fp16(torch.stack([_blocked(t, n).transpose(1, 2) for t in (scale, minimum)], dim=2))
+    low nibble), and scales and minimums fp16 [N / 32, K / 32, 2, 32]; padded with zeros to
+    ``rows`` (default N: the last block) rounded up to a block. None where a scale or minimum is
+    not an fp16 value (Q4_0's ``-8 d`` past fp16's range)."""
+    rows = rows or codes.shape[0]
+    pairs = _pairs(codes, rows)
+    scales = _fp16(torch.stack([_blocked(t, rows).transpose(1, 2) for t in (scale, minimum)], dim=2))
     return None if scales is None else ((pairs[..., 0] | pairs[..., 1] << 4).contiguous(), scales)
 
 
-def q8_layout(codes: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+def q8_layout(codes: torch.Tensor, scale: torch.Tensor,
+              rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A GGUF Q8_0 weight (``w = codes * scale`` per group of 32 inputs: codes int8 [N, K], scale
     [N, K / 32], fp16 values) in the order of :class:`AmxLinear`'s packed weight: codes int8
-    [N / 32, K / 2, 32, 2], scales fp16 [N / 32, K / 32, 32]; the last block padded with zeros."""
-    n, k = codes.shape
-    pairs = _blocked(codes, n).view(-1, AmxLinear.BLOCK, k // 2, 2).transpose(1, 2).contiguous()
-    scales = _fp16(_blocked(scale, n).transpose(1, 2))
-    return None if scales is None else (pairs, scales)
+    [N / 32, K / 2, 32, 2], scales fp16 [N / 32, K / 32, 32]; padded as :func:`q4_layout` pads."""
+    rows = rows or codes.shape[0]
+    scales = _fp16(_blocked(scale, rows).transpose(1, 2))
+    return None if scales is None else (_pairs(codes, rows).contiguous(), scales)
 
 
 def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:

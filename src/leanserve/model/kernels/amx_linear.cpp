@@ -21,9 +21,9 @@
 //
 // Where the weight came from a GGUF file's Q4_0 / Q4_1 or Q8_0 blocks, one row can read those
 // instead (codes, scales: model/prepack.py's q4_layout and q8_layout), in the packed weight's
-// order: Q4 a byte per output feature per pair of inputs (the first input's code in the low nibble),
-// [N / 32][K / 2][32], with each 32-input group's scale d and minimum m (Q4_0: -8 d) as the file
-// stores them, fp16, [N / 32][K / 32][2][32]; Q8_0 its int8 codes as the bf16 values lie,
+// order: Q4 a byte per output feature per pair of inputs (the first input's code in the low
+// nibble), [N / 32][K / 2][32], with each 32-input group's scale d and minimum m (Q4_0: -8 d) as
+// the file stores them, fp16, [N / 32][K / 32][2][32]; Q8_0 its int8 codes as the bf16 values lie,
 // [N / 32][K / 2][32][2], with d, [N / 32][K / 32][32]. The loop computes each weight as gguf-py's
 // dequantization does, d * q + m or d * q in float32 (exact but for the one rounding of the sum:
 // d has 11 significant bits, q 4 or 8), rounds it to bf16 as the load did, and goes on as over the
@@ -31,8 +31,8 @@
 // instead of 16. The dequantization is the loop's cost (~11 vector instructions per 32 Q4 weights,
 // ~9 per Q8 ones, most of them on the two 512-bit ports): the default model's 120 Q4 layers of a
 // step 9.4 -> 6.1 ms on the 2-core Xeon, the bf16 loop reading those layers at ~23 GB/s and this
-// one their blocks at ~11. More rows keep to the bf16 copy: dequantizing a block per call cost more than the
-// micro-kernel saved (256 rows: 42 -> 59 ms).
+// one their blocks at ~11. More rows keep to the bf16 copy: dequantizing a block per call cost
+// more than the micro-kernel saved (256 rows: 42 -> 59 ms).
 //
 // Built at run time by leanserve/model/kernels/__init__.py. The runner packs for it on CPUs with
 // AMX only: the micro-kernel also runs on AVX512-BF16 without AMX, but its speed there against
