@@ -9,12 +9,15 @@ import torch
 from leanserve.model.gguf_file import GGUFFile
 
 # Byte layouts of the K-quant blocks (ggml-common.h): offsets of the fp16 scale fields, which
-# we set to sane values so random payloads dequantize to finite, moderate weights.
+# we set so random payloads dequantize to finite weights of the tiny models' own size. (0.002
+# gave weights of ~0.4 and logits of ~200, where a change in the last bit of every weight moved
+# the logits by 2e-3: twice what a test of them against transformers allows.)
 _K_SCALE_OFFSETS = {
     gguf.GGMLQuantizationType.Q4_K: (0, 2),  # d, dmin
     gguf.GGMLQuantizationType.Q5_K: (0, 2),
     gguf.GGMLQuantizationType.Q6_K: (208,),  # d at the end of the 210-byte block
 }
+K_SCALE = 0.0002
 
 
 def encode(w: np.ndarray, qtype: gguf.GGMLQuantizationType, rng: np.random.Generator) -> np.ndarray:
@@ -26,7 +29,7 @@ def encode(w: np.ndarray, qtype: gguf.GGMLQuantizationType, rng: np.random.Gener
         block, size = gguf.GGML_QUANT_SIZES[qtype]
         raw = rng.integers(0, 256, size=(w.shape[0], w.shape[1] // block, size), dtype=np.uint8)
         for off in _K_SCALE_OFFSETS[qtype]:
-            raw[:, :, off : off + 2] = np.frombuffer(np.float16(0.002).tobytes(), np.uint8)
+            raw[:, :, off : off + 2] = np.frombuffer(np.float16(K_SCALE).tobytes(), np.uint8)
         return raw.reshape(w.shape[0], -1)
     return gguf.quants.quantize(w.astype(np.float32), qtype)
 
