@@ -54,7 +54,7 @@ inline c10::BFloat16 narrow<c10::BFloat16>(float x) {
 }
 
 // exp(x - k ln 2), the part of exp_nonpositive below its 2^k, for float or a vector of floats
-// (paged_prefill_attention.cpp's lane-wise exp): r = x - k ln 2 with ln 2 in two parts, then the
+// (the lane-wise exp_nonpositive below): r = x - k ln 2 with ln 2 in two parts, then the
 // degree-6 Taylor polynomial of exp(r) by Horner's rule.
 template <typename V>
 inline V exp_reduced(V x, V k) {
@@ -81,6 +81,24 @@ inline float exp_nonpositive(float x) {
   float two_k;
   std::memcpy(&two_k, &bits, sizeof two_k);
   return x < -87.f ? 0.f : p * two_k;
+}
+
+
+// 16 floats (and 16 int32) as the compiler's own vector types: one AVX-512 register, two AVX2 or
+// four NEON ones where the CPU's registers are narrower. The attention kernels' lanes.
+typedef float vfloat16 __attribute__((vector_size(16 * sizeof(float))));
+typedef int32_t vint16 __attribute__((vector_size(16 * sizeof(int32_t))));
+
+// exp_nonpositive lane by lane (GCC vectorises no loop of the scalar one around the kernels' loads
+// and stores): the same exp_reduced times 2^k in the exponent bits; k = round(x / ln 2) by
+// truncating x / ln 2 - 1/2 (x <= 0), so |r| <= ln 2 / 2.
+inline vfloat16 exp_nonpositive(vfloat16 x) {
+  const vfloat16 floor = vfloat16{} - 87.f;
+  const vfloat16 clamped = x < floor ? floor : x;
+  const vint16 k = __builtin_convertvector(clamped * 1.44269504f - 0.5f, vint16);
+  const vfloat16 p = exp_reduced(clamped, __builtin_convertvector(k, vfloat16));
+  const vfloat16 two_k = (vfloat16)((k + 127) << 23);
+  return x < floor ? vfloat16{} : p * two_k;
 }
 
 }  // namespace leanserve

@@ -48,13 +48,14 @@
 
 namespace {
 
+using leanserve::exp_nonpositive;
 using leanserve::for_dtype;
 using leanserve::narrow;
 using leanserve::widen;
 
 constexpr int kLanes = 16;  // tokens in a tile: one float vector (one AVX-512 register)
-typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float))));
-typedef int32_t vint __attribute__((vector_size(kLanes * sizeof(int32_t))));
+using vfloat = leanserve::vfloat16;
+using vint = leanserve::vint16;
 
 // Keys scored, weighed and summed in at a time: a block, or 32 of its keys where blocks are larger,
 // so a tile's scores stay in L1.
@@ -73,18 +74,6 @@ inline vfloat load(const float* p) {
 inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
 
 inline vfloat vmax(vfloat a, vfloat b) { return a > b ? a : b; }
-
-// common.h's exp_nonpositive, lane by lane (GCC vectorises no loop of the scalar one around these
-// loads and stores), the same exp_reduced times 2^k in the exponent bits; k = round(x / ln 2) by
-// truncating x / ln 2 - 1/2 (x <= 0), so |r| <= ln 2 / 2.
-inline vfloat exp_nonpositive(vfloat x) {
-  const vfloat floor = vfloat{} - 87.f;
-  const vfloat clamped = x < floor ? floor : x;
-  const vint k = __builtin_convertvector(clamped * 1.44269504f - 0.5f, vint);
-  const vfloat p = leanserve::exp_reduced(clamped, __builtin_convertvector(k, vfloat));
-  const vfloat two_k = (vfloat)((k + 127) << 23);
-  return x < floor ? vfloat{} : p * two_k;
-}
 
 // Keys per pass of the score loop and value dimensions per pass of the weighted sum, for G query
 // heads per KV head: as many vector accumulators as fit in 32 registers beside the operands.
