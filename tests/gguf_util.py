@@ -9,9 +9,9 @@ import torch
 from leanserve.model.gguf_file import GGUFFile
 
 # Byte layouts of the K-quant blocks (ggml-common.h): offsets of the fp16 scale fields, which
-# we set so random payloads dequantize to finite weights of the tiny models' own size. (0.002
-# gave weights of ~0.4 and logits of ~200, where a change in the last bit of every weight moved
-# the logits by 2e-3: twice what a test of them against transformers allows.)
+# we set so random payloads dequantize to finite, moderate weights: 0.0002 gives Q4_K weights of
+# ~0.04 mean and ~0.06 rms (0.002 gave ~0.4, and logits of ~200 that a change in the last bit of
+# every weight moved by 2e-3: twice what a test of them against transformers allows).
 _K_SCALE_OFFSETS = {
     gguf.GGMLQuantizationType.Q4_K: (0, 2),  # d, dmin
     gguf.GGMLQuantizationType.Q5_K: (0, 2),

@@ -26,7 +26,8 @@ def kernel():
 def paged_case(lens, heads, kv_heads, dim, block, dtype, seed=0):
     """q, caches and a block table whose rows' blocks are scattered over the pool; the null block
     0, every table entry past a row's context and every slot past its length hold NaN, so a
-    kernel that read them would return NaN."""
+    kernel that read them would return NaN (a value; a key read there by the bf16 path would only
+    score a lane it masks)."""
     g = torch.Generator().manual_seed(seed)
     blocks = [-(-n // block) for n in lens]
     num_blocks = sum(blocks) + 1
@@ -56,8 +57,10 @@ def reference(q, k_cache, v_cache, table, lens, scale):
     return torch.stack(out)
 
 
-# Shapes compiled for (3 and 1 query heads per KV head, 64 and 128 dimensions), and one that is not.
-@pytest.mark.parametrize("heads,kv_heads,dim,block", [(9, 3, 64, 16), (4, 4, 128, 32), (8, 1, 32, 16)])
+# Shapes compiled for (3, 1 and 8 query heads per KV head, 64 and 128 dimensions; blocks of 16 keys
+# and of sizes that cut the 16-key passes and the 256-token partitions elsewhere), and one that is not.
+@pytest.mark.parametrize("heads,kv_heads,dim,block", [(9, 3, 64, 16), (4, 4, 128, 32), (16, 2, 128, 24),
+                                                      (6, 2, 64, 48), (8, 1, 32, 16)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_each_row_attends_exactly_its_own_context(kernel, heads, kv_heads, dim, block, dtype):
     # Contexts of one token, within a block, at block edges, across the kernel's 256-token partitions.

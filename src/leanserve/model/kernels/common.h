@@ -83,7 +83,6 @@ inline float exp_nonpositive(float x) {
   return x < -87.f ? 0.f : p * two_k;
 }
 
-
 // 16 floats (and 16 int32) as the compiler's own vector types: one AVX-512 register, two AVX2 or
 // four NEON ones where the CPU's registers are narrower. The attention kernels' lanes.
 typedef float vfloat16 __attribute__((vector_size(16 * sizeof(float))));

@@ -7,7 +7,8 @@
 // row's G = 3 query heads (the default model) as 3-row tiles, ~29 GFLOP/s here, and the gather
 // copies every key first. This kernel keeps a KV head's G queries and G running sums in
 // registers and streams the blocks through them: one layer of 64 rows x 1,024 tokens, 3.3 ms
-// against 8.7-12 ms gathered into SDPA (AMD EPYC, 2 threads). With bf16 caches on CPUs with
+// against 8.7-12 ms gathered into SDPA (AMD EPYC, 2 threads, the float32 loop: attend_bf16 below
+// came later and is not measured there). With bf16 caches on CPUs with
 // AVX512-BF16 (attend_bf16) it scores 16 keys at once from the bf16 rows as stored: on the Xeon
 // 7.6-8.0 -> 5.3-5.6 ms a layer at 64 x 1,024 read from memory (bench/results/decode_bf16_serve.md).
 //
@@ -64,9 +65,8 @@ inline void widen_row(const T* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = widen(src[i]);
 }
 
-// Float vectors as the compiler's own vector type: 16 lanes, one AVX-512 register, two AVX2 or
-// four NEON ones where the CPU has narrower registers. The shapes most models have (below) keep
-// a KV head's query heads and their sums in registers across a whole partition.
+// Float vectors of 16 lanes (common.h's vfloat16). The shapes most models have (below) keep a KV
+// head's query heads and their sums in registers across a whole partition.
 constexpr int kLanes = 16;
 using vfloat = vfloat16;
 
@@ -154,7 +154,8 @@ inline void scaled_query(const T* q, float scale, int64_t n, float* out) {
 // Attends a row's query heads q_row [H, D] (head i reads KV head i / G; scores times scale) to tokens
 // [begin, end) of a context whose blocks are block_ids, into p: any shape within the limits
 // above, the fallback of attend_fixed() below. A block's keys (then values) for every KV head
-// are one contiguous run of memory, read front to back.
+// are one contiguous run of memory, read front to back (all heads a block: not for_each_run's
+// walk, which takes one head through the blocks).
 template <typename T>
 void attend(const T* q_row, float scale, const T* k_cache, const T* v_cache, const int64_t* block_ids, int64_t begin,
             int64_t end, int64_t block_size, int64_t KVH, int64_t G, int64_t D, Partial p) {
@@ -377,13 +378,15 @@ using AttendFn = void (*)(const T*, float, const T*, const T*, const int64_t*, i
 
 // The compiled shape for G query heads per KV head and D dimensions: 1-8 heads of 64 or 128
 // dimensions (Llama, Qwen, Mistral, SmolLM and most others); any other shape, attend().
+// With bf16 caches on CPUs with AVX512-BF16, attend_bf16 instead of attend_fixed.
 template <typename T, int G>
 AttendFn<T> pick_for_group(int64_t D) {
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, c10::BFloat16>)
     return D == 64 ? &attend_bf16<G, 2> : D == 128 ? &attend_bf16<G, 4> : &attend<T>;
+  else
 #endif
-  return D == 64 ? &attend_fixed<T, G, 4> : D == 128 ? &attend_fixed<T, G, 8> : &attend<T>;
+    return D == 64 ? &attend_fixed<T, G, 4> : D == 128 ? &attend_fixed<T, G, 8> : &attend<T>;
 }
 
 template <typename T>
