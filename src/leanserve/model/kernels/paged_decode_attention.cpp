@@ -284,9 +284,11 @@ inline __m512 sum_lanes16(const __m512 v[16]) {
     const __m512 b = _mm512_add_ps(_mm512_unpacklo_ps(x[2], x[3]), _mm512_unpackhi_ps(x[2], x[3]));
     quad[k] = _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xEE));
   }
-  const __m512 lo = _mm512_add_ps(_mm512_shuffle_f32x4(quad[0], quad[1], 0x88), _mm512_shuffle_f32x4(quad[0], quad[1], 0xDD));
-  const __m512 hi = _mm512_add_ps(_mm512_shuffle_f32x4(quad[2], quad[3], 0x88), _mm512_shuffle_f32x4(quad[2], quad[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(lo, hi, 0x88), _mm512_shuffle_f32x4(lo, hi, 0xDD));
+  // Quarters 0 and 2 beside 1 and 3, added: twice, then lane 4k + j holds v[4k + j]'s whole sum.
+  const auto halve = [](__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+  };
+  return halve(halve(quad[0], quad[1]), halve(quad[2], quad[3]));
 }
 
 // 16 bf16 values as float32: bf16 is the upper half of a float32.
