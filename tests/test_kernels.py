@@ -114,7 +114,7 @@ def test_without_a_compiler_the_kernels_fall_back_with_one_log_line(monkeypatch,
     saying why (the compiler's own error) and what runs instead."""
     loaders = [loader.__wrapped__ for loader in  # uncached
                (kernels.paged_decode_attention, kernels.paged_prefill_attention, kernels.layer_ops,
-                kernels.amx_linear)]
+                kernels.brgemm_linear)]
     cache = tmp_path / "cache"
     monkeypatch.setenv("LEANSERVE_KERNEL_CACHE", str(cache))
     failing = tmp_path / "failing-c++"  # answers --version, then fails every build with an error line
@@ -124,7 +124,7 @@ def test_without_a_compiler_the_kernels_fall_back_with_one_log_line(monkeypatch,
     kernels._compiler.cache_clear()  # said once per process: this test must see it said
     for compiler, says in (("no-such-compiler-here", ["no C++ compiler"]),
                            (str(failing), ["decode attention did not build", "prefill attention did not build",
-                                           "SiLU did not build", "linear layers on AMX did not build"])):
+                                           "SiLU did not build", "bf16 linear layers did not build"])):
         monkeypatch.setenv("CXX", compiler)
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="leanserve.model.kernels"):

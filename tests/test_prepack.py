@@ -1,6 +1,6 @@
 """bf16 linear weights packed once (model/prepack.py): in oneDNN's layout the same products as
 ``F.linear``, bit for bit (past one 16-row tile on AMX, to within a rounding); in the layout of
-oneDNN's AMX micro-kernel (kernels/amx_linear.cpp), to within a rounding; left alone wherever
+oneDNN's brgemm micro-kernel (kernels/brgemm_linear.cpp), to within a rounding; left alone wherever
 the runner does not pack."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from leanserve import LLM, SamplingParams
 from leanserve.engine import model_runner
 from leanserve.model import ModelSpec, kernels, load_model, loader
 from leanserve.model.int4 import Int4Linear
-from leanserve.model.prepack import (AmxLinear, PackedLinear, packs, prepack_linears, q4_layout, q8_layout,
-                                     reads_gguf_blocks)
+from leanserve.model.prepack import (BrgemmLinear, PackedLinear, has_avx512_bf16, packs, prepack_linears, q4_layout,
+                                     q8_layout, reads_gguf_blocks)
 
 from .test_int4 import write_tiny_q4
 from .test_model import dense_logits
@@ -23,6 +23,7 @@ from .test_model import dense_logits
 CPU = torch.device("cpu")
 PACKS = packs(CPU, torch.bfloat16)
 AMX = torch.cpu._is_amx_tile_supported()
+BRGEMM = PACKS and has_avx512_bf16()  # where prepack_linears packs for BrgemmLinear
 
 
 def test_bf16_packs_on_this_cpu_exactly_where_onednn_has_bf16():
@@ -31,17 +32,17 @@ def test_bf16_packs_on_this_cpu_exactly_where_onednn_has_bf16():
 
 
 def test_prepack_picks_the_layout_of_this_cpu():
-    """AMX's layout on a CPU with AMX (a layer of an odd input width keeps oneDNN's), else
+    """The brgemm layout on a CPU with AVX512-BF16 (a layer of an odd input width keeps oneDNN's), else
     oneDNN's where it has bf16, else nothing."""
     model = nn.Sequential(nn.Linear(64, 96, dtype=torch.bfloat16), nn.Linear(95, 64, dtype=torch.bfloat16))
     assert prepack_linears(model, CPU) == (2 if PACKS else 0)
-    want = (AmxLinear if AMX else PackedLinear, PackedLinear) if PACKS else (nn.Linear, nn.Linear)
+    want = (BrgemmLinear if BRGEMM else PackedLinear, PackedLinear) if PACKS else (nn.Linear, nn.Linear)
     assert tuple(type(m) for m in model) == want
 
 
-def test_without_the_amx_kernel_weights_are_packed_for_onednn(monkeypatch):
-    """Where the AMX kernel cannot be built (no compiler: its loader says so and returns None)."""
-    monkeypatch.setattr(kernels, "amx_linear", lambda: None)
+def test_without_the_brgemm_kernel_weights_are_packed_for_onednn(monkeypatch):
+    """Where the brgemm kernel cannot be built (no compiler: its loader says so and returns None)."""
+    monkeypatch.setattr(kernels, "brgemm_linear", lambda: None)
     model = nn.Sequential(nn.Linear(64, 96, dtype=torch.bfloat16))
     assert prepack_linears(model, CPU) == (1 if PACKS else 0)
     assert type(model[0]) is (PackedLinear if PACKS else nn.Linear)
@@ -79,11 +80,11 @@ def magnitudes(x: torch.Tensor, lin: nn.Linear) -> torch.Tensor:
     return out + lin.bias.float().abs() if lin.bias is not None else out
 
 
-@pytest.mark.skipif(not AMX, reason="AMX's layout is packed on CPUs with AMX only")
+@pytest.mark.skipif(not BRGEMM, reason="the brgemm layout is packed on CPUs with AVX512-BF16 only")
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 2, 3, 16, 17, 64, 300, 600])
-def test_amx_products_are_f_linear_to_within_a_rounding(rows, bias):
-    """kernels/amx_linear.cpp: one row in its own loop, more in oneDNN's AMX micro-kernel (17: 16
+def test_brgemm_products_are_f_linear_to_within_a_rounding(rows, bias):
+    """kernels/brgemm_linear.cpp: one row in its own loop, more in oneDNN's brgemm micro-kernel (17: 16
     rows and a remainder; 600: 256, 256, 80 and 8 rows), against float64 and F.linear. The shapes: the default model's
     (a tall head among them), a width that is not a multiple of the 32-feature blocks, an odd
     number of input pairs (70 features) for the one-row loop's tail, last blocks of 4, 8, 16 and 18
@@ -94,61 +95,61 @@ def test_amx_products_are_f_linear_to_within_a_rounding(rows, bias):
         x = torch.randn(rows, k, dtype=torch.bfloat16)
         ref = x.double() @ lin.weight.double().T + (lin.bias.double() if bias else 0)
         want = F.linear(x, lin.weight, lin.bias)
-        amx = AmxLinear(lin, kernels.amx_linear())
+        layer = BrgemmLinear(lin, kernels.brgemm_linear())
         with torch.inference_mode():
-            got = amx(x)
-            assert torch.equal(amx(x), got)
+            got = layer(x)
+            assert torch.equal(layer(x), got)
         scale = magnitudes(x, lin)
         # One rounding to bf16 (half a unit in the last of its 8 bits) plus float32 sums of k terms.
         assert ((got.double() - ref).abs() <= ref.abs() * 2**-8 + scale * k * 2**-23).all()
         assert ((got.float() - want.float()).abs() <= scale * 2**-7).all()
 
 
-@pytest.mark.skipif(not AMX, reason="AMX's layout is packed on CPUs with AMX only")
-def test_amx_linear_takes_any_leading_shape_and_strided_rows():
+@pytest.mark.skipif(not BRGEMM, reason="the brgemm layout is packed on CPUs with AVX512-BF16 only")
+def test_brgemm_linear_takes_any_leading_shape_and_strided_rows():
     torch.manual_seed(0)
     lin = nn.Linear(64, 96, bias=True, dtype=torch.bfloat16)
-    amx = AmxLinear(lin, kernels.amx_linear())
+    layer = BrgemmLinear(lin, kernels.brgemm_linear())
     qkv = torch.randn(2, 5, 3 * 64, dtype=torch.bfloat16)
     x = qkv[..., 64:128]  # a strided view, as a slice of a fused projection is
     with torch.inference_mode():
-        got = amx(x)
+        got = layer(x)
         assert got.shape == (2, 5, 96)
-        assert torch.equal(got, amx(x.contiguous()))
+        assert torch.equal(got, layer(x.contiguous()))
         assert ((got.float() - F.linear(x, lin.weight, lin.bias).float()).abs() <= magnitudes(x, lin) * 2**-7).all()
-        assert amx(x[:, :0]).shape == (2, 0, 96)
-        assert torch.equal(amx(x[1, 3]), got[1, 3])  # one dimension: a single row
+        assert layer(x[:, :0]).shape == (2, 0, 96)
+        assert torch.equal(layer(x[1, 3]), got[1, 3])  # one dimension: a single row
 
 
-@pytest.mark.skipif(not AMX, reason="AMX's layout is packed on CPUs with AMX only")
-def test_amx_linear_refuses_what_it_cannot_compute():
+@pytest.mark.skipif(not BRGEMM, reason="the brgemm layout is packed on CPUs with AVX512-BF16 only")
+def test_brgemm_linear_refuses_what_it_cannot_compute():
     lin = nn.Linear(64, 40, bias=True, dtype=torch.bfloat16)
-    amx = AmxLinear(lin, kernels.amx_linear())
-    op, x = kernels.amx_linear(), torch.randn(3, 64, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="amx_linear: bfloat16 input and weight"):
-        op(x.float(), amx.packed, amx.bias, 40)
-    with pytest.raises(RuntimeError, match=r"amx_linear: weight packed as \[N / 32, K / 2, 32, 2\] for an input of 62"):
-        op(x[:, :62], amx.packed, amx.bias, 40)
-    with pytest.raises(RuntimeError, match="amx_linear: 65 output features do not fit 2 blocks of 32"):
-        op(x, amx.packed, amx.bias, 65)
-    with pytest.raises(RuntimeError, match="amx_linear: bias float32, padded to the blocks' 64 features"):
-        op(x, amx.packed, lin.bias, 40)
-    with pytest.raises(RuntimeError, match="amx_linear: an input of at least one dimension"):
-        op(x[0, 0], amx.packed, amx.bias, 40)
+    layer = BrgemmLinear(lin, kernels.brgemm_linear())
+    op, x = kernels.brgemm_linear(), torch.randn(3, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="brgemm_linear: bfloat16 input and weight"):
+        op(x.float(), layer.packed, layer.bias, 40)
+    with pytest.raises(RuntimeError, match=r"brgemm_linear: weight packed as \[N / 32, K / 2, 32, 2\] for an input of 62"):
+        op(x[:, :62], layer.packed, layer.bias, 40)
+    with pytest.raises(RuntimeError, match="brgemm_linear: 65 output features do not fit 2 blocks of 32"):
+        op(x, layer.packed, layer.bias, 65)
+    with pytest.raises(RuntimeError, match="brgemm_linear: bias float32, padded to the blocks' 64 features"):
+        op(x, layer.packed, lin.bias, 40)
+    with pytest.raises(RuntimeError, match="brgemm_linear: an input of at least one dimension"):
+        op(x[0, 0], layer.packed, layer.bias, 40)
     codes, scales = q4_layout(*q4_blocks(40, 64))
     with pytest.raises(RuntimeError, match="codes and scales go together"):
-        op(x, amx.packed, amx.bias, 40, codes)
+        op(x, layer.packed, layer.bias, 40, codes)
     with pytest.raises(RuntimeError, match=r"Q4 codes uint8 \[N / 32, K / 2, 32\] with scales"):
-        op(x, amx.packed, amx.bias, 40, codes[:, :16].contiguous(), scales)
+        op(x, layer.packed, layer.bias, 40, codes[:, :16].contiguous(), scales)
     codes8, scales8 = q8_layout(*q8_blocks(40, 64))
-    op(x[:1], amx.packed, amx.bias, 40, codes8, scales8)
+    op(x[:1], layer.packed, layer.bias, 40, codes8, scales8)
     for bad in ((codes8, scales), (codes8.short(), scales8), (codes, scales8)):
         with pytest.raises(RuntimeError, match=r"or Q8_0 codes int8 \[N / 32, K / 2, 32, 2\]"):
-            op(x, amx.packed, amx.bias, 40, *bad)
+            op(x, layer.packed, layer.bias, 40, *bad)
     with pytest.raises(ValueError, match="blocks: codes .* do not match the weight's 2 blocks"):
-        AmxLinear(lin, op, q8_layout(*q8_blocks(96, 64)))
+        BrgemmLinear(lin, op, q8_layout(*q8_blocks(96, 64)))
     with pytest.raises(RuntimeError, match="float16 scales"):
-        op(x, amx.packed, amx.bias, 40, codes, scales.float())
+        op(x, layer.packed, layer.bias, 40, codes, scales.float())
 
 
 def q4_blocks(n: int, k: int, q4_0: bool = False, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -177,7 +178,7 @@ def blocks_linear(codes, scale, minimum=None, bias: bool = False) -> nn.Linear:
     return lin
 
 
-@pytest.mark.skipif(not AMX, reason="AMX's layout is packed on CPUs with AMX only")
+@pytest.mark.skipif(not BRGEMM, reason="the brgemm layout is packed on CPUs with AVX512-BF16 only")
 @pytest.mark.parametrize("kind", ["Q4_1", "Q4_0", "Q8_0"])
 def test_one_row_from_gguf_blocks_is_the_bf16_weights_product_bit_for_bit(kind):
     """The one-row loop over a layer's GGUF blocks (model/prepack.py's q4_layout, q8_layout)
@@ -193,7 +194,7 @@ def test_one_row_from_gguf_blocks_is_the_bf16_weights_product_bit_for_bit(kind):
         else:
             arrays = q4_blocks(n, k, kind == "Q4_0", seed=n)
             lin, blocks = blocks_linear(*arrays, bias=bias), q4_layout(*arrays)
-        plain, read = AmxLinear(lin, kernels.amx_linear()), AmxLinear(lin, kernels.amx_linear(), blocks)
+        plain, read = BrgemmLinear(lin, kernels.brgemm_linear()), BrgemmLinear(lin, kernels.brgemm_linear(), blocks)
         with torch.inference_mode():
             for rows in (1, 1, 2, 17):
                 x = torch.randn(rows, k, dtype=torch.bfloat16)
@@ -226,17 +227,17 @@ def test_block_layouts_pad_the_last_block_and_refuse_what_fp16_cannot_hold():
     assert q8_layout(codes8, scale8, rows=70)[0].shape == (3, 32, 32, 2)
 
 
-@pytest.mark.skipif(not AMX, reason="AMX's layout is packed on CPUs with AMX only")
+@pytest.mark.skipif(not BRGEMM, reason="the brgemm layout is packed on CPUs with AVX512-BF16 only")
 def test_with_onednn_disabled_weights_are_packed_for_it_and_the_kernel_says_why_not(monkeypatch):
     """torch.backends.mkldnn.enabled = False turns off oneDNN's micro-kernel too (torch's CPUBlas
     asks it): the runner then keeps oneDNN's packing, and the op refuses more than one row."""
-    amx = AmxLinear(nn.Linear(64, 40, dtype=torch.bfloat16), kernels.amx_linear())
+    layer = BrgemmLinear(nn.Linear(64, 40, dtype=torch.bfloat16), kernels.brgemm_linear())
     monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)
     model = nn.Sequential(nn.Linear(64, 96, dtype=torch.bfloat16))
     assert prepack_linears(model, CPU) == 1 and type(model[0]) is PackedLinear
-    amx(torch.randn(1, 64, dtype=torch.bfloat16))
+    layer(torch.randn(1, 64, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="torch.backends.mkldnn is disabled"):
-        amx(torch.randn(2, 64, dtype=torch.bfloat16))
+        layer(torch.randn(2, 64, dtype=torch.bfloat16))
 
 
 @pytest.mark.parametrize("arch,tied", [("llama", True), ("qwen2", False)])  # qwen2: q/k/v biases
@@ -248,7 +249,7 @@ def test_a_packed_model_gives_the_same_logits(tiny_model_dir, arch, tied):
     linears = sum(type(m) is nn.Linear for m in model.modules())
     assert prepack_linears(model, CPU) == (linears if PACKS else 0)
     got = dense_logits(model, ids)
-    if AMX:  # sums in another order: to within the roundings of a bf16 forward
+    if BRGEMM:  # sums in another order: to within the roundings of a bf16 forward
         assert (got.argmax(-1) == want.argmax(-1)).all()
         torch.testing.assert_close(got, want, atol=0.05, rtol=0.02)
     else:
@@ -267,7 +268,7 @@ def test_float32_and_int4_layers_are_left_alone(tiny_model_dir, tmp_path, defaul
     assert sum(isinstance(m, Int4Linear) for m in q4.modules()) == int4 > 0
 
 
-def test_gguf_blocks_are_kept_only_where_amx_reads_them(tmp_path, default_model):
+def test_gguf_blocks_are_kept_only_where_brgemm_reads_them(tmp_path, default_model):
     """A GGUF file's Q4 and Q8_0 blocks are kept beside the bf16 weights only for a bf16 model
     (no quantization) on a CPU whose packing reads them, and packing takes them all: the tiny Q4
     model's every layer, the default model's 120 Q4 layers and its Q8_0 head."""
@@ -280,18 +281,18 @@ def test_gguf_blocks_are_kept_only_where_amx_reads_them(tmp_path, default_model)
         assert {codes.dtype for codes, _ in bf16.gguf_blocks.values()} == (kinds if reads else set())
         prepack_linears(bf16, CPU)
         assert not bf16.gguf_blocks
-        assert sum(isinstance(m, AmxLinear) and m.block_codes is not None for m in bf16.modules()) == \
-            (linears if AMX else 0)
+        assert sum(isinstance(m, BrgemmLinear) and m.block_codes is not None for m in bf16.modules()) == \
+            (linears if BRGEMM else 0)
     for variant in (dict(dtype="float32"), dict(dtype="bfloat16", quantization="int8"),
                     dict(dtype="bfloat16", quantization="gguf")):
         assert not load_model(ModelSpec.resolve(path, **variant)).gguf_blocks, variant
 
 
-@pytest.mark.skipif(not AMX, reason="AMX's layout is packed on CPUs with AMX only")
+@pytest.mark.skipif(not BRGEMM, reason="the brgemm layout is packed on CPUs with AVX512-BF16 only")
 @pytest.mark.parametrize("file", ["tiny Q4", "default"])
 def test_the_engine_decodes_a_gguf_file_from_its_blocks_as_from_its_bf16_weights(file, tmp_path, default_model,
                                                                                monkeypatch):
-    """Through the engine, with a GGUF model's blocks read at one row (the default on AMX) and
+    """Through the engine, with a GGUF model's blocks read at one row (the default on AVX512-BF16) and
     without: the same greedy tokens and logprobs, bit for bit, over prefill and decode at 3, 2 and
     1 rows (the one-row steps read the blocks); so the blocks give exactly the weights gguf-py's
     dequantization gives. A tiny model whose every layer is Q4_0 or Q4_1, and the default model
@@ -303,7 +304,7 @@ def test_the_engine_decodes_a_gguf_file_from_its_blocks_as_from_its_bf16_weights
     def run() -> tuple[list[bool], list]:
         with LLM(path, dtype="bfloat16", kv_cache_memory=16 << 20) as llm:
             model = llm.engine.runner.model
-            read = [m.block_codes is not None for m in model.modules() if isinstance(m, AmxLinear)]
+            read = [m.block_codes is not None for m in model.modules() if isinstance(m, BrgemmLinear)]
             outs = [o.outputs[0] for o in llm.generate(prompts, params)]
         return read, [(list(o.token_ids), o.logprobs) for o in outs]
 
@@ -317,23 +318,23 @@ def test_the_engine_decodes_a_gguf_file_from_its_blocks_as_from_its_bf16_weights
 def test_the_engine_packs_its_bf16_model_and_decodes_as_it_would_unpacked(tiny_model_dir, monkeypatch):
     """Greedy tokens and their logprobs through the engine, packed (its default) and with packing
     turned off: prefill and decode steps of several sequences together, then of two, then of one
-    (they stop at 8, 16 and 24 tokens). oneDNN's packing gives the same numbers, bit for bit; AMX's
-    layout (on a CPU with AMX) the same tokens and logprobs to within a bf16 forward's rounding."""
+    (they stop at 8, 16 and 24 tokens). oneDNN's packing gives the same numbers, bit for bit; the
+    brgemm layout (on a CPU with AVX512-BF16) the same tokens and logprobs to within a bf16 forward's rounding."""
     path = tiny_model_dir("llama")
     prompts = [list(range(7, 7 + n)) for n in (3, 23, 40)]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=2) for n in (8, 16, 24)]
 
     def run() -> tuple[set, list]:
         with LLM(path, dtype="bfloat16", kv_cache_memory=16 << 20) as llm:
-            kinds = {type(m) for m in llm.engine.runner.model.modules()} & {PackedLinear, AmxLinear, nn.Linear}
+            kinds = {type(m) for m in llm.engine.runner.model.modules()} & {PackedLinear, BrgemmLinear, nn.Linear}
             outs = [o.outputs[0] for o in llm.generate(prompts, params)]
         return kinds, [(list(o.token_ids), o.logprobs) for o in outs]
 
     packed, got = run()
     monkeypatch.setattr(model_runner, "prepack_linears", lambda model, device: 0)
     unpacked, want = run()
-    assert (packed, unpacked) == ({AmxLinear if AMX else PackedLinear if PACKS else nn.Linear}, {nn.Linear})
-    if not AMX:
+    assert (packed, unpacked) == ({BrgemmLinear if BRGEMM else PackedLinear if PACKS else nn.Linear}, {nn.Linear})
+    if not BRGEMM:
         assert got == want
         return
     assert [tokens for tokens, _ in got] == [tokens for tokens, _ in want]

@@ -22,7 +22,7 @@ from ..model import kernels
 from ..model.attention import (AttentionMetadata, DecodeMaskTable, GatherScratch, PagedDecode, bucket,
                                decode_groups)
 from ..model.layer_ops import use_cpu_kernels
-from ..model.prepack import has_amx, packs_for_amx, prepack_linears
+from ..model.prepack import has_amx, packs_for_brgemm, prepack_linears
 from ..model.transformer import Transformer
 from .batch_state import BatchState, blocks_needed
 from .kv_cache import KVCache
@@ -238,7 +238,7 @@ class ModelRunner:
             if _takes_prefill_kernel(attention_backend, dtype):
                 attention += ("paged_prefill_attention",)
             kernels.build_together(("layer_ops",) + attention
-                                   + (("amx_linear",) if packs_for_amx(model, self.device) else ()))
+                                   + (("brgemm_linear",) if packs_for_brgemm(model, self.device) else ()))
         prepack_linears(model, self.device)  # bf16 on the CPU: weights in the GEMM's layout, once
         use_cpu_kernels(model.ops, self.device, dtype)  # norms, rotary, SiLU
         self.gather_scratch = GatherScratch()  # every step's layers gather keys and values into it

@@ -32,7 +32,7 @@ from torch import nn
 
 GROUP = 32  # GGUF's Q4 block size, one of the group sizes the kernels take
 Q4_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
-Q8_TYPES = (GGMLQuantizationType.Q8_0,)  # read only by AMX's one-row loop (model/prepack.py)
+Q8_TYPES = (GGMLQuantizationType.Q8_0,)  # read only by BrgemmLinear's one-row loop (model/prepack.py)
 # The CPU packing works on blocks of 64 output rows: packing 64-row-aligned slices one at a time
 # gives the same bytes (tests/test_int4.py) and bounds the int32 copy of the codes it needs.
 PACK_ROWS = 4096

@@ -114,7 +114,7 @@ def load_model(spec: ModelSpec, tp: TensorParallel | None = None, device: str | 
     """Builds the model ``spec`` names, or with ``tp`` the share of it that rank holds (read from
     the same file, only that share), on ``device`` (default: the spec's). ``quantization``:
     ``none`` keeps the checkpoint's values in ``dtype`` (and, for a bf16 GGUF model on a CPU with
-    AMX, its Q4/Q8_0 layers' blocks too, in ``model.gguf_blocks``, which the runner's packing
+    AVX512-BF16, its Q4/Q8_0 layers' blocks too, in ``model.gguf_blocks``, which the runner's packing
     reads the same values from at one row: see :mod:`.prepack`); ``int8`` replaces the linear
     weights by int8 ones at every row count (see :mod:`.quant`); ``gguf`` computes a GGUF file's
     Q4_0/Q4_1 linear layers on their 4-bit blocks (see :mod:`.int4`)."""
@@ -343,7 +343,7 @@ def _load_gguf(path: str, dtype, device, tp: TensorParallel, keep_q4: bool = Fal
     """``keep_q4``: linear layers stored as Q4_0/Q4_1 are built from those blocks as they are
     (:func:`_int4_linears`); everything else is dequantized into ``dtype``. ``blocks``: Q4_0,
     Q4_1 and Q8_0 layers' blocks are also kept beside the dequantized weights, for the runner's
-    AMX layout to read at one row (:func:`_gguf_blocks`)."""
+    brgemm layout to read at one row (:func:`_gguf_blocks`)."""
     gguf = GGUFFile(path)
     cfg = _gguf_config(gguf)
     model = Transformer(cfg, dtype, device, tp)
@@ -430,7 +430,7 @@ def _int4_linears(model: Transformer, named: dict[str, tuple[GGUFTensor, int]], 
 
 def _gguf_blocks(model: Transformer, named: dict[str, tuple[GGUFTensor, int]]) -> None:
     """Records every Q4_0/Q4_1 and Q8_0 linear layer's blocks in ``model.gguf_blocks``, in the
-    layout AMX's one-row loop reads (:func:`.prepack.q4_layout`, :func:`.prepack.q8_layout`); the
+    layout BrgemmLinear's one-row loop reads (:func:`.prepack.q4_layout`, :func:`.prepack.q8_layout`); the
     layer itself is filled with the dequantized weights as usual."""
     for qtypes, parse, layout in ((Q4_TYPES, gguf_q4, q4_layout), (Q8_TYPES, gguf_q8, q8_layout)):
         # A share's columns are whole blocks of 32 (share() says None otherwise).

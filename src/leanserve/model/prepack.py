@@ -19,22 +19,26 @@ ms), 1.7-1.8x at 8 rows, 1.22-1.41x at 64, ~1.05-1.1x at 512-2,048. On a 2-core 
 (weights in the caches): 1.6x at one row (the head 1.88 -> 1.12 ms), 1.6-2.2x at 8-64 rows,
 1.0-1.4x at 192-512.
 
-On a CPU with AMX the weights are packed instead in the layout of oneDNN's AMX micro-kernel,
-one that is not opaque (:class:`AmxLinear`, ``kernels/amx_linear.cpp``): one row, a batch-1
-decode step, runs in leanserve's own loop, a prefetched stream over the weights, and more rows
-in that micro-kernel (``at::native::cpublas::brgemm``). The default model's 121 GEMMs of a
-step, in a step's order, on a 2-core Xeon: 1.48x oneDNN's matmul at one row (its weights
-streamed at ~18 GB/s, the loop's at 26, a plain read of the same bytes at 27), 1.27-1.30x at
-2-64 rows (the micro-kernel without the matmul's per-call work), 1.12x at 192, 0.97x at 512.
-Served at concurrency 1 (128-token prompts): 49.1 -> 68.7 output tok/s, TPOT
-19.9 -> 14.2 ms; 1.08x at 64 (``bench/results/amx_linear_serve.md``). Its sums are in another
-order than F.linear's: the same to within a bf16 rounding. Where the kernel cannot be built,
-oneDNN's packing as above; CPUs without AMX keep it too (the micro-kernel runs there, but its
-speed against the matmul is not measured).
+On a CPU with AVX512-BF16 (every one with AMX has it) the weights are packed instead in the
+layout of oneDNN's brgemm micro-kernel, one that is not opaque (:class:`BrgemmLinear`,
+``kernels/brgemm_linear.cpp``): one row, a batch-1 decode step, runs in leanserve's own loop, a
+prefetched stream over the weights, and more rows in that micro-kernel
+(``at::native::cpublas::brgemm``, in AMX's tiles where the CPU has them, else in AVX512-BF16
+instructions). The default model's 121 GEMMs of a step, in a step's order, on a 2-core Xeon with
+AMX: 1.48x oneDNN's matmul at one row (its weights streamed at ~18 GB/s, the loop's at 26, a
+plain read of the same bytes at 27), 1.27-1.30x at 2-64 rows (the micro-kernel without the
+matmul's per-call work), 1.12x at 192, 0.97x at 512. Served at concurrency 1 (128-token
+prompts): 49.1 -> 68.7 output tok/s, TPOT 19.9 -> 14.2 ms; 1.08x at 64
+(``bench/results/amx_linear_serve.md``). On the 2-core AMD EPYC without AMX, the model's whole
+forward (``bench/results/brgemm_on_epyc.md``): a batch-1 decode step 16.4 -> 11.4 ms (9.3 with
+the GGUF blocks below), 1.2-1.4x at 2-8 rows, level from 16 rows to a 512-token prefill. Its
+sums are in another order than F.linear's: the same to within a bf16 rounding. Where the kernel
+cannot be built, oneDNN's packing as above; CPUs without AVX512-BF16 keep it too (the one-row
+loop is made of its dot products of bf16 pairs).
 
 A batch-1 step is bound by reading the weights, and a GGUF file holds them in 5 bits (Q4_0,
-Q4_1) or 8.5 (Q8_0) instead of bf16's 16. So where such a model is loaded in bf16 for AMX's
-layout, the loader keeps each such layer's blocks beside its bf16 weight
+Q4_1) or 8.5 (Q8_0) instead of bf16's 16. So where such a model is loaded in bf16 for the
+brgemm layout, the loader keeps each such layer's blocks beside its bf16 weight
 (``Transformer.gguf_blocks``, in :func:`q4_layout`'s or :func:`q8_layout`'s order: +31 % or +53 %
 of the layer's bytes), and the one-row loop reads those: it computes every weight as gguf-py's
 dequantization does and rounds it to bf16 as the load did, so its products are those of the bf16
@@ -87,10 +91,10 @@ class PackedLinear(nn.Module):
         return f"{self.in_features} -> {self.out_features}, weight packed for oneDNN"
 
 
-class AmxLinear(nn.Module):
-    """``nn.Linear``'s product on a CPU with AMX, its weight packed once for oneDNN's AMX
-    micro-kernel: ``[N / 32, K / 2, 32, 2]``, pairs of input features interleaved in blocks of 32
-    output features, the last block padded with zeros. ``kernels/amx_linear.cpp`` computes one row
+class BrgemmLinear(nn.Module):
+    """``nn.Linear``'s product on a CPU with AVX512-BF16, its weight packed once for oneDNN's
+    brgemm micro-kernel: ``[N / 32, K / 2, 32, 2]``, pairs of input features interleaved in blocks of 32
+    output features, the last block padded with zeros. ``kernels/brgemm_linear.cpp`` computes one row
     with its own prefetched loop and more with the micro-kernel, both over this one copy; given
     the weight's GGUF blocks (``gguf_blocks``: :func:`q4_layout`'s or :func:`q8_layout`'s codes
     and scales), one row reads those instead and computes the same bf16 weights from them, bit for
@@ -122,7 +126,7 @@ class AmxLinear(nn.Module):
     def extra_repr(self) -> str:
         blocks = "" if self.block_codes is None else \
             f", one row from its {'Q4' if self.block_codes.dtype == torch.uint8 else 'Q8_0'} blocks"
-        return f"{self.in_features} -> {self.out_features}, weight packed for AMX{blocks}"
+        return f"{self.in_features} -> {self.out_features}, weight packed for brgemm{blocks}"
 
 
 def has_amx() -> bool:
@@ -130,24 +134,30 @@ def has_amx() -> bool:
     return torch.cpu._is_amx_tile_supported() and torch.backends.mkldnn.enabled
 
 
+def has_avx512_bf16() -> bool:
+    """A CPU with AVX512-BF16, whose dot products of bf16 pairs the one-row loop of
+    :class:`BrgemmLinear` is made of, and torch's oneDNN on (the micro-kernel is oneDNN's)."""
+    return torch.cpu._is_avx512_bf16_supported() and torch.backends.mkldnn.enabled
+
+
 def reads_gguf_blocks(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether a model of ``dtype`` on ``device`` would be packed for AMX, whose one-row loop reads
-    a GGUF file's Q4_0, Q4_1 and Q8_0 blocks where the loader keeps them."""
-    return packs(device, dtype) and has_amx()
+    """Whether a model of ``dtype`` on ``device`` would be packed for :class:`BrgemmLinear`, whose
+    one-row loop reads a GGUF file's Q4_0, Q4_1 and Q8_0 blocks where the loader keeps them."""
+    return packs(device, dtype) and has_avx512_bf16()
 
 
 def _blocked(t: torch.Tensor, rows: int) -> torch.Tensor:
     """``t``'s rows [n, ...] padded with zeros to ``rows`` (at least n) rounded up to whole blocks
     of 32, and split: [blocks, 32, ...]."""
-    blocks = -(-rows // AmxLinear.BLOCK)
-    padded = F.pad(t, (0, 0) * (t.dim() - 1) + (0, blocks * AmxLinear.BLOCK - t.shape[0]))
-    return padded.view(blocks, AmxLinear.BLOCK, *t.shape[1:])
+    blocks = -(-rows // BrgemmLinear.BLOCK)
+    padded = F.pad(t, (0, 0) * (t.dim() - 1) + (0, blocks * BrgemmLinear.BLOCK - t.shape[0]))
+    return padded.view(blocks, BrgemmLinear.BLOCK, *t.shape[1:])
 
 
 def _pairs(t: torch.Tensor, rows: int) -> torch.Tensor:
     """A weight-shaped [n, K] tensor in the packed weight's order, a view: [blocks, K / 2, 32, 2]
     (see :func:`_blocked`)."""
-    return _blocked(t, rows).view(-1, AmxLinear.BLOCK, t.shape[1] // 2, 2).transpose(1, 2)
+    return _blocked(t, rows).view(-1, BrgemmLinear.BLOCK, t.shape[1] // 2, 2).transpose(1, 2)
 
 
 def _fp16(scales: torch.Tensor) -> torch.Tensor | None:
@@ -158,7 +168,7 @@ def _fp16(scales: torch.Tensor) -> torch.Tensor | None:
 def q4_layout(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
               rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A GGUF Q4 weight (``w = codes * scale + minimum`` per group of 32 inputs: codes uint8
-    [N, K], scale and minimum [N, K / 32], fp16 values) in the order of :class:`AmxLinear`'s
+    [N, K], scale and minimum [N, K / 32], fp16 values) in the order of :class:`BrgemmLinear`'s
     packed weight: codes [N / 32, K / 2, 32], a byte per pair of inputs (the first's code in the
     low nibble), and scales and minimums fp16 [N / 32, K / 32, 2, 32]; padded with zeros to
     ``rows`` (default N: the last block) rounded up to a block. None where a scale or minimum is
@@ -172,7 +182,7 @@ def q4_layout(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
 def q8_layout(codes: torch.Tensor, scale: torch.Tensor,
               rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A GGUF Q8_0 weight (``w = codes * scale`` per group of 32 inputs: codes int8 [N, K], scale
-    [N, K / 32], fp16 values) in the order of :class:`AmxLinear`'s packed weight: codes int8
+    [N, K / 32], fp16 values) in the order of :class:`BrgemmLinear`'s packed weight: codes int8
     [N / 32, K / 2, 32, 2], scales fp16 [N / 32, K / 32, 32]; padded as :func:`q4_layout` pads."""
     rows = rows or codes.shape[0]
     scales = _fp16(_blocked(scale, rows).transpose(1, 2))
@@ -184,24 +194,25 @@ def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
             if type(child) is nn.Linear]
 
 
-def packs_for_amx(model: nn.Module, device: torch.device) -> bool:
-    """Whether :func:`prepack_linears` packs ``model``'s linear layers for :class:`AmxLinear`: bf16
-    on a CPU with AMX (where the kernel builds: the runner builds it beside the others first)."""
-    return has_amx() and any(packs(device, linear.weight.dtype) for _, _, linear in _linears(model))
+def packs_for_brgemm(model: nn.Module, device: torch.device) -> bool:
+    """Whether :func:`prepack_linears` packs ``model``'s linear layers for :class:`BrgemmLinear`:
+    bf16 on a CPU with AVX512-BF16 (where the kernel builds: the runner builds it beside the
+    others first)."""
+    return has_avx512_bf16() and any(packs(device, linear.weight.dtype) for _, _, linear in _linears(model))
 
 
 def prepack_linears(model: nn.Module, device: torch.device) -> int:
-    """Replaces every ``nn.Linear`` of ``model`` by an :class:`AmxLinear` on a CPU with AMX (a
-    layer of an odd input width excepted), else a :class:`PackedLinear`, where :func:`packs`;
+    """Replaces every ``nn.Linear`` of ``model`` by a :class:`BrgemmLinear` on a CPU with
+    AVX512-BF16 (a layer of an odd input width excepted), else a :class:`PackedLinear`, where :func:`packs`;
     returns how many it replaced (0 elsewhere). Quantized layers (int8, int4) are left alone."""
     linears = [entry for entry in _linears(model) if packs(device, entry[2].weight.dtype)]
-    amx = kernels.amx_linear() if linears and packs_for_amx(model, device) else None
+    brgemm = kernels.brgemm_linear() if linears and packs_for_brgemm(model, device) else None
     gguf_blocks = getattr(model, "gguf_blocks", {})
     replaced = len(linears)
     while linears:  # each plain weight dropped as its packed copy is made, not all at the end
         parent, name, child = linears.pop()
-        setattr(parent, name, AmxLinear(child, amx, gguf_blocks.pop(child, None))
-                if amx is not None and child.in_features % 2 == 0 else PackedLinear(child))
+        setattr(parent, name, BrgemmLinear(child, brgemm, gguf_blocks.pop(child, None))
+                if brgemm is not None and child.in_features % 2 == 0 else PackedLinear(child))
         del child
-    gguf_blocks.clear()  # none left unread where nothing was packed for AMX
+    gguf_blocks.clear()  # none left unread where nothing was packed for brgemm
     return replaced

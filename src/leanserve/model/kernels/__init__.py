@@ -4,7 +4,7 @@ Four libraries today, each with its reasons in its header: attention over the pa
 on the CPU, for decode rows (``paged_decode_attention.cpp``) and for prefill chunks
 (``paged_prefill_attention.cpp``), the elementwise work between a decoder layer's GEMMs
 (``layer_ops.cpp``: RMS norm with the residual add, the rotary embedding, SiLU-and-multiply),
-and, on CPUs with AMX, the bf16 linear layers themselves (``amx_linear.cpp``).
+and, on CPUs with AVX512-BF16, the bf16 linear layers themselves (``brgemm_linear.cpp``).
 Each is built the first time a process asks for it, with the machine's C++ compiler (``$CXX``,
 else ``c++``) against the installed torch, for this CPU's instruction set (``-march=native``),
 and kept in a cache directory (``$LEANSERVE_KERNEL_CACHE``, else ``~/.cache/leanserve/kernels``)
@@ -49,7 +49,7 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20", "
 # as torch's ops do, not fused into an FMA with the sum after it (see layer_ops.cpp); the prefill
 # kernel's sums keep the source's order, which its chunking invariance rests on.
 LIBRARY_FLAGS = {"paged_decode_attention": (), "paged_prefill_attention": ("-fno-associative-math",),
-                 "layer_ops": ("-ffp-contract=off",), "amx_linear": ()}
+                 "layer_ops": ("-ffp-contract=off",), "brgemm_linear": ()}
 
 
 def _cpu_signature() -> str:
@@ -156,14 +156,14 @@ def layer_ops() -> object | None:
 
 
 @functools.cache
-def amx_linear() -> Callable | None:
-    """``torch.ops.leanserve.amx_linear(x, weight, bias, out_features, codes=None, scales=None)``
-    (bf16 linear layers over weights packed for oneDNN's AMX micro-kernel, one row optionally
+def brgemm_linear() -> Callable | None:
+    """``torch.ops.leanserve.brgemm_linear(x, weight, bias, out_features, codes=None, scales=None)``
+    (bf16 linear layers over weights packed for oneDNN's brgemm micro-kernel, one row optionally
     from the GGUF file's Q4 or Q8_0 blocks, :mod:`leanserve.model.prepack`), or None where
-    it cannot be built here. Only for CPUs with AMX."""
-    if not _load("amx_linear", "linear layers on AMX", "oneDNN's packed weights"):
+    it cannot be built here. Only for CPUs with AVX512-BF16."""
+    if not _load("brgemm_linear", "bf16 linear layers", "oneDNN's packed weights"):
         return None
-    return torch.ops.leanserve.amx_linear
+    return torch.ops.leanserve.brgemm_linear
 
 
 def build_together(names: tuple[str, ...]) -> None:

@@ -1,5 +1,5 @@
-// bf16 linear layers on CPUs with AMX, over weights packed once (model/prepack.py) in the layout
-// of oneDNN's AMX micro-kernel: pairs of input features interleaved (VNNI), in blocks of 32
+// bf16 linear layers on CPUs with AVX512-BF16, over weights packed once (model/prepack.py) in the
+// layout of oneDNN's brgemm micro-kernel: pairs of input features interleaved (VNNI), in blocks of 32
 // output features, [N / 32][K / 2][32][2]. One layout for every row count:
 //
 // - one row (a batch-1 decode step) is this file's own loop: a step reads every weight once to
@@ -11,7 +11,7 @@
 //   and oneDNN's matmul over its own packed weights streams them at ~18 GB/s on a 2-core Xeon,
 //   where this loop reads them at 26, a plain read of the same bytes at 27 (the default model's
 //   121 GEMMs of a step: 14.6 -> 10.5 ms; 13.0 without the prefetch).
-// - two rows and more go to oneDNN's AMX micro-kernel itself (at::native::cpublas::brgemm, what
+// - two rows and more go to oneDNN's brgemm micro-kernel itself (at::native::cpublas::brgemm, what
 //   Inductor's GEMM templates call), up to 256 rows per call, a 32-feature block at a time. (The
 //   loop taking 2-4 rows was measured: level at 2, slower at 3 and 4.)
 //
@@ -34,9 +34,13 @@
 // one their blocks at ~11. More rows keep to the bf16 copy: dequantizing a block per call cost
 // more than the micro-kernel saved (256 rows: 42 -> 59 ms).
 //
-// Built at run time by leanserve/model/kernels/__init__.py. The runner packs for it on CPUs with
-// AMX only: the micro-kernel also runs on AVX512-BF16 without AMX, but its speed there against
-// oneDNN's matmul is not measured, so those CPUs keep oneDNN's own packed weights.
+// The micro-kernel computes in AMX's tiles where the CPU has them, else in AVX512-BF16 dot
+// products; this file's loops need AVX512-BF16. On the 2-core AMD EPYC without AMX the model's
+// forward against oneDNN's matmul: one row 16.4 -> 11.4 ms (9.3 from the Q4 blocks), 2-8 rows
+// 1.2-1.4x, level from 16 rows to a 512-token prefill (bench/results/brgemm_on_epyc.md).
+//
+// Built at run time by leanserve/model/kernels/__init__.py, for CPUs with AVX512-BF16 (the
+// runner packs for it there, model/prepack.py's has_avx512_bf16).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -57,7 +61,7 @@ namespace {
 constexpr int64_t kBlock = 32;            // output features per block of the packed weight
 constexpr int64_t kGroup = 32;            // inputs per scale of a GGUF Q4 or Q8_0 block
 constexpr int64_t kBrgemmRows = 256;      // rows per micro-kernel call
-constexpr int64_t kBrgemmStep = 16;       // ... a multiple of this plus a remainder: see amx_linear
+constexpr int64_t kBrgemmStep = 16;       // ... a multiple of this plus a remainder: see brgemm_linear
 constexpr int64_t kPrefetchBytes = 8192;  // how far ahead of the one-row loop's reads
 
 // The 32 results of a block for one row, plus the bias, rounded to bf16 and stored; the last
@@ -113,7 +117,7 @@ void one_row(const c10::BFloat16* x, const c10::BFloat16* weight, const float* b
 
 // The 32 bf16 weights of pair `p` of a Q4 block's 16 features whose codes start at `codes`
 // (one byte per feature), given the features' scales and minimums of the pair's group: lane f
-// holds feature f's weights for the pair's two inputs, as amx_linear's packed line does.
+// holds feature f's weights for the pair's two inputs, as brgemm_linear's packed line does.
 inline __m512bh q4_line(const uint8_t* codes, __m512 d, __m512 m, __m512i interleave) {
   const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
   const __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(c, _mm512_set1_epi32(15))), d, m);
@@ -208,34 +212,34 @@ void q4_one_row(const c10::BFloat16* x, const uint8_t* codes, const c10::Half* d
   }
 }
 
-at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+at::Tensor brgemm_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                       int64_t out_features, const std::optional<at::Tensor>& codes,
                       const std::optional<at::Tensor>& scales) {
-  TORCH_CHECK(x.dim() >= 1, "amx_linear: an input of at least one dimension");
+  TORCH_CHECK(x.dim() >= 1, "brgemm_linear: an input of at least one dimension");
   const int64_t K = x.size(-1);
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
-              "amx_linear: bfloat16 input and weight");
+              "brgemm_linear: bfloat16 input and weight");
   TORCH_CHECK(weight.dim() == 4 && weight.is_contiguous() && weight.size(1) * 2 == K && weight.size(2) == kBlock &&
                   weight.size(3) == 2,
-              "amx_linear: weight packed as [N / 32, K / 2, 32, 2] for an input of ", K, " features, got ",
+              "brgemm_linear: weight packed as [N / 32, K / 2, 32, 2] for an input of ", K, " features, got ",
               weight.sizes());
   const int64_t blocks = weight.size(0);
   TORCH_CHECK(out_features > (blocks - 1) * kBlock && out_features <= blocks * kBlock,
-              "amx_linear: ", out_features, " output features do not fit ", blocks, " blocks of 32");
+              "brgemm_linear: ", out_features, " output features do not fit ", blocks, " blocks of 32");
   TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == blocks * kBlock),
-              "amx_linear: bias float32, padded to the blocks' ", blocks * kBlock, " features");
-  TORCH_CHECK(codes.has_value() == scales.has_value(), "amx_linear: codes and scales go together");
+              "brgemm_linear: bias float32, padded to the blocks' ", blocks * kBlock, " features");
+  TORCH_CHECK(codes.has_value() == scales.has_value(), "brgemm_linear: codes and scales go together");
   const bool q4 = codes && codes->scalar_type() == at::kByte;
   if (codes) {
     TORCH_CHECK(K % kGroup == 0 && codes->is_contiguous() && scales->is_contiguous() &&
                     scales->scalar_type() == at::kHalf,
-                "amx_linear: codes and float16 scales, contiguous, for an input of a multiple of 32 features");
+                "brgemm_linear: codes and float16 scales, contiguous, for an input of a multiple of 32 features");
     TORCH_CHECK(q4 ? codes->sizes() == at::IntArrayRef({blocks, K / 2, kBlock}) &&
                          scales->sizes() == at::IntArrayRef({blocks, K / kGroup, 2, kBlock})
                    : codes->scalar_type() == at::kChar &&
                          codes->sizes() == at::IntArrayRef({blocks, K / 2, kBlock, 2}) &&
                          scales->sizes() == at::IntArrayRef({blocks, K / kGroup, kBlock}),
-                "amx_linear: Q4 codes uint8 [N / 32, K / 2, 32] with scales [N / 32, K / 32, 2, 32], or Q8_0 codes "
+                "brgemm_linear: Q4 codes uint8 [N / 32, K / 2, 32] with scales [N / 32, K / 32, 2, 32], or Q8_0 codes "
                 "int8 [N / 32, K / 2, 32, 2] with scales [N / 32, K / 32, 32]; got codes ", codes->scalar_type(), " ",
                 codes->sizes(), " and scales ", scales->sizes(), " for ", K, " input features");
   }
@@ -267,11 +271,12 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, const std::
   // a chunk is cut into a multiple of 16 rows and a remainder below 16, so at most 31 row counts
   // ever occur, not one per step size.
   TORCH_CHECK(at::globalContext().userEnabledMkldnn(),
-              "amx_linear: more than one row needs oneDNN's micro-kernel, and torch.backends.mkldnn is disabled");
+              "brgemm_linear: more than one row needs oneDNN's micro-kernel, and torch.backends.mkldnn is disabled");
   const int64_t row_chunks = (M + kBrgemmRows - 1) / kBrgemmRows;
   at::parallel_for(0, blocks * row_chunks, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> acc(kBrgemmRows * kBlock);
-    // The AMX tile state brgemm configures on this thread is released however the loop ends.
+    // The AMX tile state brgemm configures on this thread (on a CPU with AMX) is released however
+    // the loop ends.
     struct Release {
       ~Release() { at::native::cpublas::brgemm_release(true); }
     } release;
@@ -295,8 +300,8 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, const std::
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(leanserve, m) {
-  m.def("amx_linear(Tensor x, Tensor weight, Tensor? bias, int out_features, Tensor? codes=None, "
+  m.def("brgemm_linear(Tensor x, Tensor weight, Tensor? bias, int out_features, Tensor? codes=None, "
         "Tensor? scales=None) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(leanserve, CPU, m) { m.impl("amx_linear", amx_linear); }
+TORCH_LIBRARY_IMPL(leanserve, CPU, m) { m.impl("brgemm_linear", brgemm_linear); }
