@@ -81,7 +81,7 @@ def forward_ms(model, batch: int, context: int, prefill: int = 0, reps: int = 5,
     cfg, bs = model.config, 16
     per_seq = -(-max(context, prefill) // bs) + 1
     nblocks = batch * per_seq + 1
-    kv = torch.zeros(cfg.num_layers, 2, nblocks, bs, cfg.num_kv_heads, cfg.head_dim, dtype=model.norm.weight.dtype)
+    kv = torch.zeros(cfg.num_layers, 2, nblocks, cfg.num_kv_heads, bs, cfg.head_dim, dtype=model.norm.weight.dtype)
     tables = torch.arange(1, nblocks).view(batch, per_seq)
     if prefill:
         n = prefill

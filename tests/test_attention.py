@@ -66,8 +66,8 @@ def test_decode_rows_of_mixed_lengths_attend_exactly_their_own_contexts(dtype, m
     lens = np.array([37, 300, 16, 2000, 45, 129, 64])  # 2,000 among short ones: split in two groups
     blocks = -(-lens // BLOCK)
     num_blocks = int(blocks.sum()) + 1
-    k_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, DIM, generator=g).to(dtype)
-    v_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, DIM, generator=g).to(dtype)
+    k_cache = torch.randn(num_blocks, KV_HEADS, BLOCK, DIM, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, KV_HEADS, BLOCK, DIM, generator=g).to(dtype)
     ids = torch.randperm(num_blocks - 1, generator=g) + 1  # each row's blocks scattered, block 0 unused
     table = np.zeros((len(lens), blocks.max()), np.int64)
     for r, start in enumerate(np.cumsum(blocks) - blocks):
@@ -111,8 +111,10 @@ def test_decode_rows_of_mixed_lengths_attend_exactly_their_own_contexts(dtype, m
             torch.testing.assert_close(chunked, one, atol=1e-6, rtol=1e-6)
     monkeypatch.undo()
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)  # the new keys written once, in place
-    ks = [kc[torch.as_tensor(table[r, : blocks[r]])].flatten(0, 1)[: lens[r]].float() for r in range(d)]
-    vs = [vc[torch.as_tensor(table[r, : blocks[r]])].flatten(0, 1)[: lens[r]].float() for r in range(d)]
+    block, offset = slots // BLOCK, slots % BLOCK  # each at its slot's offset of its block, head by head
+    assert torch.equal(kc[block, :, offset], k_new) and torch.equal(vc[block, :, offset], v_new)
+    ks = [kc[torch.as_tensor(table[r, : blocks[r]])].transpose(1, 2).flatten(0, 1)[: lens[r]].float() for r in range(d)]
+    vs = [vc[torch.as_tensor(table[r, : blocks[r]])].transpose(1, 2).flatten(0, 1)[: lens[r]].float() for r in range(d)]
     want = dense(q.float(), ks, vs, DIM ** -0.5)
     tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(one.float(), want, **tol)
@@ -125,24 +127,29 @@ def test_decode_rows_of_mixed_lengths_attend_exactly_their_own_contexts(dtype, m
     torch.testing.assert_close(in_place.float(), want, **tol)
 
 
+def blocks_of(cache, ids):
+    """[num_blocks, KVH, block_size, D] at [S, n] block ids -> [S, KVH, n * block_size, D], by indexing."""
+    return cache[ids].transpose(1, 2).flatten(2, 3)
+
+
 def test_gather_scratch_copies_blocks_into_buffers_it_reuses_and_grows_only_when_a_step_needs_more():
     g = torch.Generator().manual_seed(0)
-    cache = torch.randn(40, BLOCK, KV_HEADS, DIM, generator=g)
+    cache = torch.randn(40, KV_HEADS, BLOCK, DIM, generator=g)
     scratch = GatherScratch()
     ids = torch.tensor([[3, 7, 1], [9, 2, 30]])
     keys = scratch.gather(cache, ids, GatherScratch.KEYS)
-    assert keys.shape == (2, 3 * BLOCK, KV_HEADS, DIM)
-    assert torch.equal(keys, cache[ids].flatten(1, 2))
+    assert keys.shape == (2, KV_HEADS, 3 * BLOCK, DIM)
+    assert torch.equal(keys, blocks_of(cache, ids))
     values = scratch.gather(cache, ids[:, :2], GatherScratch.VALUES)  # a buffer of their own
-    assert torch.equal(keys, cache[ids].flatten(1, 2)) and torch.equal(values, cache[ids[:, :2]].flatten(1, 2))
+    assert torch.equal(keys, blocks_of(cache, ids)) and torch.equal(values, blocks_of(cache, ids[:, :2]))
     smaller = scratch.gather(cache, ids[:1], GatherScratch.KEYS)
-    assert smaller.data_ptr() == keys.data_ptr() and torch.equal(smaller, cache[ids[:1]].flatten(1, 2))
+    assert smaller.data_ptr() == keys.data_ptr() and torch.equal(smaller, blocks_of(cache, ids[:1]))
     larger = scratch.gather(cache, torch.arange(1, 40).view(3, 13), GatherScratch.KEYS)  # more than it holds
-    assert torch.equal(larger, cache[1:40].reshape(3, 13 * BLOCK, KV_HEADS, DIM))
+    assert torch.equal(larger, blocks_of(cache, torch.arange(1, 40).view(3, 13)))
     again = scratch.gather(cache, ids, GatherScratch.KEYS)  # the grown buffer serves a smaller step
-    assert again.data_ptr() == larger.data_ptr() and torch.equal(again, cache[ids].flatten(1, 2))
+    assert again.data_ptr() == larger.data_ptr() and torch.equal(again, blocks_of(cache, ids))
     half = scratch.gather(cache.to(torch.bfloat16), ids, GatherScratch.KEYS)  # another dtype: a new buffer
-    assert half.dtype == torch.bfloat16 and torch.equal(half, cache.to(torch.bfloat16)[ids].flatten(1, 2))
+    assert half.dtype == torch.bfloat16 and torch.equal(half, blocks_of(cache.to(torch.bfloat16), ids))
 
 
 def test_a_step_of_two_decode_groups_and_a_prefill_chunk_shares_the_scratch_without_overwriting_a_gather():
@@ -153,8 +160,8 @@ def test_a_step_of_two_decode_groups_and_a_prefill_chunk_shares_the_scratch_with
     chunk, context = 40, 240  # a prompt's second chunk: 200 tokens cached, 40 new
     blocks = np.append(-(-lens // BLOCK), -(-context // BLOCK))
     num_blocks = int(blocks.sum()) + 1
-    k_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, DIM, generator=g)
-    v_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, DIM, generator=g)
+    k_cache = torch.randn(num_blocks, KV_HEADS, BLOCK, DIM, generator=g)
+    v_cache = torch.randn(num_blocks, KV_HEADS, BLOCK, DIM, generator=g)
     ids = torch.split(torch.randperm(num_blocks - 1, generator=g) + 1, blocks.tolist())
     table = np.zeros((len(lens), blocks[:-1].max()), np.int64)
     for r in range(len(lens)):
@@ -190,8 +197,8 @@ def test_a_step_of_decode_rows_and_prefill_chunks_in_the_cpu_kernels_equals_it_t
     chunks = [(50, 50), (40, 240)]  # (tokens, context after the step)
     blocks = np.concatenate((-(-lens // BLOCK), [-(-ctx // BLOCK) for _, ctx in chunks]))
     num_blocks = int(blocks.sum()) + 1
-    k_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, DIM, generator=g)
-    v_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, DIM, generator=g)
+    k_cache = torch.randn(num_blocks, KV_HEADS, BLOCK, DIM, generator=g)
+    v_cache = torch.randn(num_blocks, KV_HEADS, BLOCK, DIM, generator=g)
     ids = torch.split(torch.randperm(num_blocks - 1, generator=g) + 1, blocks.tolist())
     d = len(lens)
     table = np.zeros((d, blocks[:d].max()), np.int64)

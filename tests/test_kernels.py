@@ -31,15 +31,15 @@ def paged_case(lens, heads, kv_heads, dim, block, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     blocks = [-(-n // block) for n in lens]
     num_blocks = sum(blocks) + 1
-    k_cache = torch.randn(num_blocks, block, kv_heads, dim, generator=g).to(dtype)
-    v_cache = torch.randn(num_blocks, block, kv_heads, dim, generator=g).to(dtype)
+    k_cache = torch.randn(num_blocks, kv_heads, block, dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, kv_heads, block, dim, generator=g).to(dtype)
     ids = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
     table = torch.zeros(len(lens), max(blocks) + 2, dtype=torch.long)
     for r, n in enumerate(lens):
         table[r, : blocks[r]] = torch.tensor([ids.pop() for _ in range(blocks[r])])
         last = table[r, blocks[r] - 1]
-        k_cache[last, (n - 1) % block + 1 :] = float("nan")
-        v_cache[last, (n - 1) % block + 1 :] = float("nan")
+        k_cache[last, :, (n - 1) % block + 1 :] = float("nan")
+        v_cache[last, :, (n - 1) % block + 1 :] = float("nan")
     k_cache[0] = v_cache[0] = float("nan")
     q = torch.randn(len(lens), heads, dim, generator=g).to(dtype)
     return q, k_cache, v_cache, table, torch.tensor(lens, dtype=torch.long)
@@ -47,11 +47,11 @@ def paged_case(lens, heads, kv_heads, dim, block, dtype, seed=0):
 
 def reference(q, k_cache, v_cache, table, lens, scale):
     """Each row against its context, float64, query head h reading KV head h // (heads / kv_heads)."""
-    heads, kv_heads = q.shape[1], k_cache.shape[2]
+    heads, kv_heads = q.shape[1], k_cache.shape[1]
     out = []
     for r, n in enumerate(lens.tolist()):
-        k = k_cache[table[r]].flatten(0, 1)[:n].double().repeat_interleave(heads // kv_heads, dim=1)
-        v = v_cache[table[r]].flatten(0, 1)[:n].double().repeat_interleave(heads // kv_heads, dim=1)
+        k = k_cache[table[r]].transpose(1, 2).flatten(0, 1)[:n].double().repeat_interleave(heads // kv_heads, dim=1)
+        v = v_cache[table[r]].transpose(1, 2).flatten(0, 1)[:n].double().repeat_interleave(heads // kv_heads, dim=1)
         weights = (torch.einsum("hd,nhd->hn", q[r].double(), k) * scale).softmax(-1)
         out.append(torch.einsum("hn,nhd->hd", weights, v))
     return torch.stack(out)

@@ -18,7 +18,7 @@ def test_spans_are_the_caches_memory_row_by_row():
     assert spans.shape == (layers * 2, 6, span_bytes) and spans.data_ptr() == kv.tensor.data_ptr()
     # Row 2 * layer + kv, block b: that layer's keys or values of block b, as written by the model.
     for layer, which, block in [(0, 0, 0), (2, 1, 5), (1, 0, 3)]:
-        got = spans[2 * layer + which, block].view(torch.bfloat16).view(block_size, kv_heads, head_dim)
+        got = spans[2 * layer + which, block].view(torch.bfloat16).view(kv_heads, block_size, head_dim)
         assert torch.equal(got, kv.tensor[layer, which, block])
     # Blocks 2..4 of a row are one piece of memory; writing bytes into a block lands in it only.
     run = spans[3, 2:5].numpy()

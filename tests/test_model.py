@@ -33,7 +33,7 @@ def dense_logits(model, ids: list[int], prefill_kernel=None) -> torch.Tensor:
     cfg = model.config
     block = 16
     blocks = -(-len(ids) // block) + 1
-    kv = torch.zeros(cfg.num_layers, 2, blocks, block, cfg.num_kv_heads, cfg.head_dim, dtype=model.norm.weight.dtype)
+    kv = torch.zeros(cfg.num_layers, 2, blocks, cfg.num_kv_heads, block, cfg.head_dim, dtype=model.norm.weight.dtype)
     n = len(ids)
     meta = AttentionMetadata.build(torch.arange(block, block + n), None, 0, [(0, n, n, torch.arange(1, blocks))],
                                    prefill_kernel=prefill_kernel)

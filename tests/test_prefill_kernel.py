@@ -25,12 +25,12 @@ def sequence(context, heads, kv_heads, dim, block, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     blocks = -(-context // block)
     num_blocks = 2 * blocks + 3
-    k_cache = torch.randn(num_blocks, block, kv_heads, dim, generator=g).to(dtype)
-    v_cache = torch.randn(num_blocks, block, kv_heads, dim, generator=g).to(dtype)
+    k_cache = torch.randn(num_blocks, kv_heads, block, dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, kv_heads, block, dim, generator=g).to(dtype)
     ids = torch.randperm(num_blocks - 1, generator=g)[: blocks + 2] + 1
     last = ids[blocks - 1]
     for cache in (k_cache, v_cache):
-        cache[last, (context - 1) % block + 1 :] = float("nan")
+        cache[last, :, (context - 1) % block + 1 :] = float("nan")
         cache[ids[blocks:]] = float("nan")
         cache[0] = float("nan")
     q = torch.randn(context, heads, dim, generator=g).to(dtype)
@@ -40,9 +40,9 @@ def sequence(context, heads, kv_heads, dim, block, dtype, seed=0):
 def reference(q, k_cache, v_cache, ids, context, scale):
     """Every position of q (the last len(q) of the context) against the keys up to its own, float64."""
     n, heads = q.shape[:2]
-    group = heads // k_cache.shape[2]
-    k = k_cache[ids].flatten(0, 1)[:context].double().repeat_interleave(group, dim=1)
-    v = v_cache[ids].flatten(0, 1)[:context].double().repeat_interleave(group, dim=1)
+    group = heads // k_cache.shape[1]
+    k = k_cache[ids].transpose(1, 2).flatten(0, 1)[:context].double().repeat_interleave(group, dim=1)
+    v = v_cache[ids].transpose(1, 2).flatten(0, 1)[:context].double().repeat_interleave(group, dim=1)
     scores = torch.einsum("nhd,khd->hnk", q.double(), k) * scale
     positions = torch.arange(context - n, context)
     scores = scores.masked_fill(torch.arange(context)[None, None, :] > positions[None, :, None], float("-inf"))

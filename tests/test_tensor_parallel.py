@@ -129,7 +129,7 @@ def _logits(model, ids: list[int]) -> torch.Tensor | None:
     """All-position logits of one prompt (one prefill), through the paged attention path."""
     cfg = model.config
     block, n = 16, len(ids)
-    kv = torch.zeros(cfg.num_layers, 2, -(-n // block) + 1, block, cfg.num_kv_heads // model.tp.size, cfg.head_dim)
+    kv = torch.zeros(cfg.num_layers, 2, -(-n // block) + 1, cfg.num_kv_heads // model.tp.size, block, cfg.head_dim)
     meta = AttentionMetadata.build(torch.arange(block, block + n), None, 0, [(0, n, n, None)])
     return model(torch.tensor(ids), torch.arange(n), kv, meta)
 

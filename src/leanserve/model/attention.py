@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -164,18 +164,24 @@ class GatherScratch:
         self._buffers: list[torch.Tensor | None] = [None, None]  # KEYS, VALUES
 
     def gather(self, cache: torch.Tensor, block_ids: torch.Tensor, which: int) -> torch.Tensor:
-        """[num_blocks, block_size, KVH, D] at [S, n] block ids -> [S, n * block_size, KVH, D],
-        in buffer ``which`` (:attr:`KEYS` or :attr:`VALUES`). index_select copies block rows
-        with memcpy; advanced indexing (``cache[ids]``) goes element by element, ~3x slower."""
+        """[num_blocks, KVH, block_size, D] at [S, n] block ids -> [S, KVH, n * block_size, D] (a
+        view of [KVH, S, n * block_size, D]), in buffer ``which`` (:attr:`KEYS` or :attr:`VALUES`).
+        One index_select per KV head, each copying its blocks' rows with memcpy: the same time
+        as one over whole blocks (0.12 against 0.10 ms for 16 rows x 1,056 tokens here), where
+        one over the heads' dimension, or advanced indexing (``cache[ids]``), goes element by
+        element (3.4 ms)."""
         s, n = block_ids.shape
-        rows = (s * n, *cache.shape[1:])
+        kv_heads, block_size, head_dim = cache.shape[1:]
+        rows = (kv_heads, s * n, block_size, head_dim)
         size = math.prod(rows)
         buf = self._buffers[which]
         if buf is None or buf.numel() < size or buf.dtype != cache.dtype or buf.device != cache.device:
             buf = self._buffers[which] = torch.empty(bucket(size), dtype=cache.dtype, device=cache.device)
         out = buf[:size].view(rows)
-        torch.index_select(cache, 0, block_ids.reshape(-1), out=out)
-        return out.view(s, n * cache.shape[1], *cache.shape[2:])
+        ids = block_ids.reshape(-1)
+        for h in range(kv_heads):
+            torch.index_select(cache[:, h], 0, ids, out=out[h])
+        return out.view(kv_heads, s, n * block_size, head_dim).transpose(0, 1)
 
 
 @dataclass
@@ -191,10 +197,24 @@ class AttentionMetadata:
     # rows against its context, read in place; None: SDPA
     prefill_kernel: Callable | None = None
 
+    # cache_rows()'s result, computed by the first layer, used by all
+    _cache_rows: torch.Tensor | None = field(default=None, repr=False)
+
     @property
     def num_tokens(self) -> int:
         """Rows of the step that are tokens; the model's input may have padding rows after them."""
         return self.slot_mapping.shape[0]
+
+    def cache_rows(self, kv_heads: int, block_size: int) -> torch.Tensor:
+        """[T, KVH]: where the step's new keys (or values) go in a layer's cache seen as rows of
+        head_dim, [num_blocks * KVH * block_size, D]: token t's head h to row (block * KVH + h) *
+        block_size + offset, for its slot block * block_size + offset. The same for every layer:
+        computed once a step."""
+        if self._cache_rows is None:
+            block, offset = self.slot_mapping // block_size, self.slot_mapping % block_size
+            heads = torch.arange(kv_heads, device=self.slot_mapping.device)
+            self._cache_rows = ((block[:, None] * kv_heads + heads) * block_size + offset[:, None])
+        return self._cache_rows
 
     @classmethod
     def build(
@@ -286,7 +306,7 @@ def paged_attention(
     q: torch.Tensor,  # [T, H, D]
     k: torch.Tensor,  # [T, KVH, D]
     v: torch.Tensor,  # [T, KVH, D]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    k_cache: torch.Tensor,  # [num_blocks, KVH, block_size, D]
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
@@ -294,11 +314,12 @@ def paged_attention(
     """Writes this step's k/v into the cache, then attends every row to its context. Returns [T, H*D].
 
     Rows past ``meta.num_tokens`` are padding: not written to the cache, zero in the output."""
-    num_blocks, block_size, kv_heads, head_dim = k_cache.shape
+    num_blocks, kv_heads, block_size, head_dim = k_cache.shape
     n = meta.num_tokens
     padded = q.shape[0] != n
-    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k[:n] if padded else k)
-    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v[:n] if padded else v)
+    rows = meta.cache_rows(kv_heads, block_size)
+    k_cache.view(-1, head_dim).index_put_((rows,), k[:n] if padded else k)
+    v_cache.view(-1, head_dim).index_put_((rows,), v[:n] if padded else v)
     d = meta.num_decode
     if not meta.prefills and not padded:  # a pure decode step: no output to assemble from parts
         return _decode_attention(q, k_cache, v_cache, meta, scale).flatten(1)
@@ -325,8 +346,8 @@ def paged_attention(
         else:
             kv_len = c.kv_len or c.context_len
             # Views of the scratch buffers: consumed by this SDPA call, before the next gather.
-            kc = meta.scratch.gather(k_cache, c.block_ids[None], GatherScratch.KEYS)[:, :kv_len].transpose(1, 2)
-            vc = meta.scratch.gather(v_cache, c.block_ids[None], GatherScratch.VALUES)[:, :kv_len].transpose(1, 2)
+            kc = meta.scratch.gather(k_cache, c.block_ids[None], GatherScratch.KEYS)[:, :, :kv_len]
+            vc = meta.scratch.gather(v_cache, c.block_ids[None], GatherScratch.VALUES)[:, :, :kv_len]
             o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=c.mask, scale=scale, enable_gqa=gqa)
         out[c.start : c.start + c.length] = o[0, :, : c.length].transpose(0, 1)
     return out.flatten(1)
@@ -363,7 +384,7 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     values, each gathered and attended before the next.
     """
     n, num_heads, head_dim = q.shape
-    kv_heads = k_cache.shape[2]
+    kv_heads = k_cache.shape[1]
     qg = q.view(n, kv_heads, num_heads // kv_heads, head_dim)
     row_bytes = 2 * group.block_ids.shape[1] * math.prod(k_cache.shape[1:]) * k_cache.element_size()
     rows = max(1, DECODE_CHUNK_BYTES // row_bytes)  # rows per chunk (see DECODE_CHUNK_BYTES)
@@ -379,10 +400,10 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 def _attend_rows(qg: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor,
                  mask: torch.Tensor | None, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Rows [n, KVH, G, Dh] against the keys of their ``block_ids`` [n, blocks]: one gather, one SDPA call."""
-    # Whole blocks: [n, blocks * block_size, KVH, Dh] -> [n, KVH, L, Dh]. Views of the scratch
-    # buffers: consumed by the SDPA call below, before another group or chunk gathers.
-    keys = meta.scratch.gather(k_cache, block_ids, GatherScratch.KEYS).transpose(1, 2)
-    values = meta.scratch.gather(v_cache, block_ids, GatherScratch.VALUES).transpose(1, 2)
+    # Whole blocks, [n, KVH, L = blocks * block_size, Dh]. Views of the scratch buffers:
+    # consumed by the SDPA call below, before another group or chunk gathers.
+    keys = meta.scratch.gather(k_cache, block_ids, GatherScratch.KEYS)
+    values = meta.scratch.gather(v_cache, block_ids, GatherScratch.VALUES)
     if mask is None:  # a lone sequence without a mask: keys sliced to its context
         keys, values = keys[:, :, : meta.decode_len], values[:, :, : meta.decode_len]
     return F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)

@@ -155,7 +155,7 @@ class Transformer(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        kv_cache: torch.Tensor,  # [layers, 2, num_blocks, block_size, KVH, D]
+        kv_cache: torch.Tensor,  # [layers, 2, num_blocks, KVH, block_size, D]
         meta: AttentionMetadata,
         logits_indices: torch.Tensor | None = None,  # rows to compute logits for; None = all
     ) -> torch.Tensor | None:

@@ -29,10 +29,6 @@ class KVLayout(msgspec.Struct, array_like=True, frozen=True):
                  for f in self.__struct_fields__ if getattr(self, f) != getattr(theirs, f)]
         return "; ".join(diffs) or None
 
-    @property
-    def block_shape(self) -> tuple[int, int, int, int, int]:
-        return self.num_layers, 2, self.num_kv_heads, self.block_size, self.head_dim
-
 
 class RemotePrefill(msgspec.Struct, array_like=True, gc=False):
     """Where a decode request's prompt KV waits: a lease on a prefill worker (the request's

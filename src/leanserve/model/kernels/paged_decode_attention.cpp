@@ -1,7 +1,8 @@
 // Decode attention over the paged KV cache, for the CPU: one query token per sequence against
 // the keys and values of its own blocks, read where they lie in the cache (no gather, no
 // padding to the longest context), with all query heads that share a KV head in one pass, so
-// each key and value row is read from memory once and used G times.
+// each key and value row is read from memory once and used G times. A block holds each KV
+// head's rows together, [kv_heads, block_size, head_dim] (engine/kv_cache.py says why).
 //
 // Why it exists (bench/results/model.md): SDPA's flash kernel over gathered keys tiles a decode
 // row's G = 3 query heads (the default model) as 3-row tiles, ~29 GFLOP/s here, and the gather
@@ -115,7 +116,7 @@ struct Partial {
 // the pool, so the hardware prefetcher cannot see the next one coming: without this the kernel
 // waited on memory most of its time (2-3 GB/s). L2 rather than L1 (locality 1, not 3): L1 has
 // too few slots for a block's lines in flight; measured here at 64 rows x 1,024 tokens, blocks
-// scattered: 3.3 against 4.7 ms; prefetching two or four blocks ahead instead of one: no gain.
+// scattered: 3.3 against 4.7 ms.
 template <typename T>
 inline void prefetch_block(const T* p, int64_t elements) {
   const char* c = reinterpret_cast<const char*>(p);
@@ -123,24 +124,53 @@ inline void prefetch_block(const T* p, int64_t elements) {
 }
 
 // Walks tokens [begin, end) of a context, whose blocks are block_ids, for KV head h: f(keys,
-// values, n) for each block's run of n tokens, with the head's first key and value row of the run
-// (rows token_stride apart), the head's rows of the next block prefetched first (prefetch_block).
+// values, n, ahead) for each block's run of n tokens, with the head's first key and value row of
+// the run (rows D apart: a block holds each head's rows together) and Ahead, the rows f is to
+// prefetch as it goes (Ahead::row): the head's block after next, or near the end of the walk the
+// next head's first blocks (the caller walks the heads in turn over the same tokens).
+//
+// Why after next, and as it goes rather than all at once: one layer of 64 rows x 1,024 tokens
+// from memory (30 layers' caches, blocks scattered; AMD EPYC, 2 threads, three interleaved
+// rounds) took 2.9-3.2 ms with the next block's 64 lines asked for in one burst before each
+// block, 2.8-3.0 with them spread over the block's rows, 2.3-2.7 with the block after next spread
+// so, 2.5-2.8 four blocks ahead; running on into the next head's walk, 2.47-2.61 -> 2.34-2.41
+// (bench/results/kv_layout.md).
+template <typename T>
+struct Ahead {
+  const T* keys = nullptr;  // nullptr: the context ends before that block
+  const T* values = nullptr;
+
+  // Row t's key and value lines into L2 (rows of D elements), while the current block's row t is
+  // attended. D known when compiled: with a loop over a run-time row size instead, one layer above
+  // took 3.8-4.1 ms, the prefetches all but lost.
+  template <int64_t D>
+  void row(int64_t t) const {
+    if (keys == nullptr) return;
+    const char* k = reinterpret_cast<const char*>(keys + t * D);
+    const char* v = reinterpret_cast<const char*>(values + t * D);
+    for (int64_t i = 0; i < D * int64_t(sizeof(T)); i += 64) __builtin_prefetch(k + i, 0, 1);
+    for (int64_t i = 0; i < D * int64_t(sizeof(T)); i += 64) __builtin_prefetch(v + i, 0, 1);
+  }
+};
+
 template <typename T, typename F>
 inline void for_each_run(const T* k_cache, const T* v_cache, const int64_t* block_ids, int64_t begin, int64_t end,
-                         int64_t block_size, int64_t token_stride, int64_t h, int64_t D, F&& f) {
-  const int64_t block_stride = block_size * token_stride;
+                         int64_t block_size, int64_t KVH, int64_t h, int64_t D, F&& f) {
+  const int64_t head_stride = block_size * D, block_stride = KVH * head_stride;
+  const int64_t first_block = begin / block_size, blocks = (end - 1) / block_size - first_block + 1;
   for (int64_t start = begin; start < end;) {
     const int64_t first = start % block_size;
     const int64_t n = std::min(block_size - first, end - start);
-    if (start + n < end) {
-      const int64_t next = block_ids[start / block_size + 1] * block_stride + h * D;
-      for (int64_t t = 0; t < block_size; ++t) {
-        prefetch_block(k_cache + next + t * token_stride, D);
-        prefetch_block(v_cache + next + t * token_stride, D);
-      }
+    // Two blocks on in the walk, or in the next head's walk over the same blocks.
+    int64_t later = start / block_size - first_block + 2, later_head = h;
+    if (later >= blocks) later -= blocks, ++later_head;
+    Ahead<T> ahead;
+    if (later_head < KVH && later < blocks) {
+      const int64_t at = block_ids[first_block + later] * block_stride + later_head * head_stride;
+      ahead = Ahead<T>{k_cache + at, v_cache + at};
     }
-    const int64_t run = block_ids[start / block_size] * block_stride + first * token_stride + h * D;
-    f(k_cache + run, v_cache + run, n);
+    const int64_t run = block_ids[start / block_size] * block_stride + h * head_stride + first * D;
+    f(k_cache + run, v_cache + run, n, ahead);
     start += n;
   }
 }
@@ -159,7 +189,7 @@ inline void scaled_query(const T* q, float scale, int64_t n, float* out) {
 template <typename T>
 void attend(const T* q_row, float scale, const T* k_cache, const T* v_cache, const int64_t* block_ids, int64_t begin,
             int64_t end, int64_t block_size, int64_t KVH, int64_t G, int64_t D, Partial p) {
-  const int64_t H = KVH * G, token_stride = KVH * D, block_stride = block_size * token_stride;
+  const int64_t H = KVH * G, head_stride = block_size * D, block_stride = KVH * head_stride;
   alignas(64) float q[kMaxHeads * kMaxHeadDim];
   scaled_query(q_row, scale, H * D, q);
   alignas(64) float row[kMaxHeadDim];
@@ -178,11 +208,11 @@ void attend(const T* q_row, float scale, const T* k_cache, const T* v_cache, con
       prefetch_block(k_cache + next * block_stride, block_stride);
       prefetch_block(v_cache + next * block_stride, block_stride);
     }
-    const T* keys = k_cache + block * block_stride + first * token_stride;
-    const T* values = v_cache + block * block_stride + first * token_stride;
-    for (int64_t t = 0; t < n; ++t) {
-      for (int64_t h = 0; h < KVH; ++h) {
-        widen_row(keys + t * token_stride + h * D, row, D);
+    const T* keys = k_cache + block * block_stride + first * D;
+    const T* values = v_cache + block * block_stride + first * D;
+    for (int64_t h = 0; h < KVH; ++h) {
+      for (int64_t t = 0; t < n; ++t) {
+        widen_row(keys + h * head_stride + t * D, row, D);
         for (int64_t g = 0; g < G; ++g) {
           const float* qi = q + (h * G + g) * D;
           float dot = 0.f;
@@ -199,9 +229,9 @@ void attend(const T* q_row, float scale, const T* k_cache, const T* v_cache, con
         for (int64_t d = 0; d < D; ++d) a[d] *= rescale;
       }
     }
-    for (int64_t t = 0; t < n; ++t) {
-      for (int64_t h = 0; h < KVH; ++h) {
-        widen_row(values + t * token_stride + h * D, row, D);
+    for (int64_t h = 0; h < KVH; ++h) {
+      for (int64_t t = 0; t < n; ++t) {
+        widen_row(values + h * head_stride + t * D, row, D);
         for (int64_t g = 0; g < G; ++g) {
           const float w = scores[(h * G + g) * n + t];
           float* a = p.acc + (h * G + g) * D;
@@ -223,7 +253,6 @@ template <typename T, int G, int DV>
 void attend_fixed(const T* q_row, float scale, const T* k_cache, const T* v_cache, const int64_t* block_ids,
                   int64_t begin, int64_t end, int64_t block_size, int64_t KVH, int64_t, int64_t, Partial p) {
   constexpr int64_t D = DV * kLanes;
-  const int64_t token_stride = KVH * D;
   alignas(64) float q[kMaxHeads * kMaxHeadDim];
   scaled_query(q_row, scale, KVH * G * D, q);
   alignas(64) float row[D];
@@ -239,10 +268,10 @@ void attend_fixed(const T* q_row, float scale, const T* k_cache, const T* v_cach
       max[g] = -std::numeric_limits<float>::infinity();
       sum[g] = 0.f;
     }
-    for_each_run(k_cache, v_cache, block_ids, begin, end, block_size, token_stride, h, D,
-                 [&](const T* keys, const T* values, int64_t n) {
+    for_each_run(k_cache, v_cache, block_ids, begin, end, block_size, KVH, h, D,
+                 [&](const T* keys, const T* values, int64_t n, const Ahead<T>& ahead) {
       for (int64_t t = 0; t < n; ++t) {
-        widen_row(keys + t * token_stride, row, D);
+        widen_row(keys + t * D, row, D);
         vfloat k[DV];
         for (int i = 0; i < DV; ++i) k[i] = load(row + i * kLanes);
         for (int g = 0; g < G; ++g) {
@@ -257,7 +286,8 @@ void attend_fixed(const T* q_row, float scale, const T* k_cache, const T* v_cach
           for (int i = 0; i < DV; ++i) acc[g][i] *= rescale;
       }
       for (int64_t t = 0; t < n; ++t) {
-        widen_row(values + t * token_stride, row, D);
+        ahead.template row<D>(t);
+        widen_row(values + t * D, row, D);
         vfloat v[DV];
         for (int i = 0; i < DV; ++i) v[i] = load(row + i * kLanes);
         for (int g = 0; g < G; ++g)
@@ -313,7 +343,6 @@ void attend_bf16(const c10::BFloat16* q_row, float scale, const c10::BFloat16* k
                  int64_t, Partial p) {
   constexpr int64_t D = DP * 32;
   constexpr int DV = D / kLanes;  // float vectors a row of the weighted sum
-  const int64_t token_stride = KVH * D;
   const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512 vscale = _mm512_set1_ps(scale);
   for (int64_t h = 0; h < KVH; ++h) {
@@ -326,8 +355,9 @@ void attend_bf16(const c10::BFloat16* q_row, float scale, const c10::BFloat16* k
       sum[g] = _mm512_setzero_ps();
       max[g] = -std::numeric_limits<float>::infinity();
     }
-    for_each_run(k_cache, v_cache, block_ids, begin, end, block_size, token_stride, h, D,
-                 [&](const c10::BFloat16* keys, const c10::BFloat16* values, int64_t n) {
+    for_each_run(k_cache, v_cache, block_ids, begin, end, block_size, KVH, h, D,
+                 [&](const c10::BFloat16* keys, const c10::BFloat16* values, int64_t n,
+                     const Ahead<c10::BFloat16>& ahead) {
       for (int64_t t0 = 0; t0 < n; t0 += kLanes) {
         const int m = int(std::min<int64_t>(kLanes, n - t0));  // keys in this pass; lanes past them score -inf
         const __mmask16 valid = __mmask16((1u << m) - 1);
@@ -339,7 +369,7 @@ void attend_bf16(const c10::BFloat16* q_row, float scale, const c10::BFloat16* k
             if (t < m)  // rows past the context are not read: they may hold anything
               for (int i = 0; i < DP; ++i)
                 dots[t] = _mm512_dpbf16_ps(dots[t], qv[g][i],
-                                           (__m512bh)_mm512_loadu_si512(keys + (t0 + t) * token_stride + 32 * i));
+                                           (__m512bh)_mm512_loadu_si512(keys + (t0 + t) * D + 32 * i));
           }
           const __m512 scores = _mm512_mask_blend_ps(valid, minus_inf, _mm512_mul_ps(sum_lanes16(dots), vscale));
           // Online softmax: a new max rescales what was summed so far (by 0 the first time: max was -inf).
@@ -356,8 +386,9 @@ void attend_bf16(const c10::BFloat16* q_row, float scale, const c10::BFloat16* k
           sum[g] = _mm512_add_ps(sum[g], w);
         }
         for (int t = 0; t < m; ++t) {
+          ahead.template row<D>(t0 + t);
           __m512 v[DV];
-          for (int i = 0; i < DV; ++i) v[i] = widen16(values + (t0 + t) * token_stride + kLanes * i);
+          for (int i = 0; i < DV; ++i) v[i] = widen16(values + (t0 + t) * D + kLanes * i);
           for (int g = 0; g < G; ++g) {
             const __m512 wt = _mm512_set1_ps(weights[g][t]);
             for (int i = 0; i < DV; ++i) acc[g][i] = _mm512_fmadd_ps(wt, v[i], acc[g][i]);
@@ -410,7 +441,7 @@ template <typename T>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
          const at::Tensor& seq_lens, double scale, at::Tensor& out) {
   const int64_t rows = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t block_size = k_cache.size(1), KVH = k_cache.size(2);
+  const int64_t KVH = k_cache.size(1), block_size = k_cache.size(2);
   const int64_t G = H / KVH;
   const int64_t table_stride = block_table.stride(0);
   const T* qp = q.data_ptr<T>();
@@ -474,7 +505,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_table, const at::Tensor& seq_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
-              "paged_decode_attention: q [rows, heads, dim], caches [blocks, block_size, kv_heads, dim]");
+              "paged_decode_attention: q [rows, heads, dim], caches [blocks, kv_heads, block_size, dim]");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "paged_decode_attention: q and the caches must be contiguous");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
@@ -483,9 +514,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                   block_table.dim() == 2 && block_table.stride(1) == 1 && seq_lens.is_contiguous() &&
                   block_table.size(0) == q.size(0) && seq_lens.size(0) == q.size(0),
               "paged_decode_attention: block_table [rows, blocks] and seq_lens [rows], int64");
-  const int64_t H = q.size(1), D = q.size(2), KVH = k_cache.size(2);
+  const int64_t H = q.size(1), D = q.size(2), KVH = k_cache.size(1);
   TORCH_CHECK(k_cache.size(3) == D && H % KVH == 0 && H <= kMaxHeads && D <= kMaxHeadDim &&
-                  k_cache.size(1) <= kMaxBlockSize,
+                  k_cache.size(2) <= kMaxBlockSize,
               "paged_decode_attention: unsupported shape");
   at::Tensor out = at::empty_like(q);
   if (q.size(0) == 0) return out;

@@ -256,7 +256,8 @@ struct Tile {
 template <typename T, int G>
 void attend_tile(Tile tile, const T* k_cache, const T* v_cache, const int64_t* block_ids, int64_t block_size,
                  int64_t KVH, int64_t D, int64_t h, int64_t first_pos, int64_t end, float scale) {
-  const int64_t token_stride = KVH * D, block_stride = block_size * token_stride;
+  // A block holds each KV head's rows together: head h's keys of a block are rows D apart.
+  const int64_t token_stride = D, head_stride = block_size * D, block_stride = KVH * head_stride;
   alignas(64) float scores[kKeyTile * G * kLanes];
   alignas(64) float rescale[G * kLanes];
   vint lane_pos;
@@ -270,7 +271,7 @@ void attend_tile(Tile tile, const T* k_cache, const T* v_cache, const int64_t* b
   for (int64_t start = 0; start < end;) {
     const int64_t first = start % block_size;
     const int64_t n = std::min({block_size - first, end - start, kKeyTile});
-    const int64_t base = block_ids[start / block_size] * block_stride + first * token_stride + h * D;
+    const int64_t base = block_ids[start / block_size] * block_stride + h * head_stride + first * token_stride;
     score_block<T, G>(tile.qt, k_cache + base, token_stride, n, D, scores);
     const bool masked = start + n - 1 > first_pos;  // keys past some lane's position: they weigh nothing there
     const vfloat minus_inf = vfloat{} - std::numeric_limits<float>::infinity();
@@ -315,7 +316,7 @@ template <typename T, int G>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_ids,
          int64_t context_len, double scale, at::Tensor& out) {
   const int64_t n = q.size(0), H = q.size(1), D = q.size(2), q_stride = q.stride(0), out_stride = out.stride(0);
-  const int64_t block_size = k_cache.size(1), KVH = k_cache.size(2);
+  const int64_t KVH = k_cache.size(1), block_size = k_cache.size(2);
   const int64_t first_pos = context_len - n;  // the chunk's first token's position
   const int64_t tiles = (n + kLanes - 1) / kLanes;
   const T* qp = q.data_ptr<T>();
@@ -366,12 +367,12 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
 at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                    const at::Tensor& block_ids, int64_t context_len, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
-              "paged_prefill_attention: q [tokens, heads, dim], caches [blocks, block_size, kv_heads, dim]");
+              "paged_prefill_attention: q [tokens, heads, dim], caches [blocks, kv_heads, block_size, dim]");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "paged_prefill_attention: q's heads and the caches must be contiguous");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
               "paged_prefill_attention: q and the caches must share a dtype");
-  const int64_t n = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(2), block_size = k_cache.size(1);
+  const int64_t n = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(1), block_size = k_cache.size(2);
   TORCH_CHECK(block_ids.scalar_type() == at::kLong && block_ids.dim() == 1 && block_ids.is_contiguous(),
               "paged_prefill_attention: block_ids [blocks], int64");
   TORCH_CHECK(n <= context_len && context_len <= block_ids.size(0) * block_size,
