@@ -141,15 +141,13 @@ struct Ahead {
   const T* values = nullptr;
 
   // Row t's key and value lines into L2 (rows of D elements), while the current block's row t is
-  // attended. D known when compiled: with a loop over a run-time row size instead, one layer above
-  // took 3.8-4.1 ms, the prefetches all but lost.
+  // attended. D known when compiled, so prefetch_block's loop unrolls: with the row size a run-time
+  // value instead, one layer above took 3.8-4.1 ms, the prefetches all but lost.
   template <int64_t D>
   void row(int64_t t) const {
     if (keys == nullptr) return;
-    const char* k = reinterpret_cast<const char*>(keys + t * D);
-    const char* v = reinterpret_cast<const char*>(values + t * D);
-    for (int64_t i = 0; i < D * int64_t(sizeof(T)); i += 64) __builtin_prefetch(k + i, 0, 1);
-    for (int64_t i = 0; i < D * int64_t(sizeof(T)); i += 64) __builtin_prefetch(v + i, 0, 1);
+    prefetch_block(keys + t * D, D);
+    prefetch_block(values + t * D, D);
   }
 };
 
@@ -335,8 +333,9 @@ inline __m512 widen16(const c10::BFloat16* p) {
 // which was bound by them on the Xeon (one layer of 64 rows x 1,024 tokens at ~9 GB/s of keys and
 // values whether its blocks were scattered or in order; now ~18 from the caches, ~9 from memory).
 // The weighted sum stays float32: weights as computed, values widened.
-// Measured and not kept: walking a block's KV heads in turn (the block read as one run, each head's
-// state kept in memory between blocks) 1.3x slower; prefetching two blocks ahead, or into L1, no gain.
+// Measured and not kept (on the Xeon, token-major blocks): walking a block's KV heads in turn (the
+// block read as one run, each head's state kept in memory between blocks) 1.3x slower; prefetching
+// into L1, no gain. for_each_run says how far ahead it prefetches, and why.
 template <int G, int DP>
 void attend_bf16(const c10::BFloat16* q_row, float scale, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
                  const int64_t* block_ids, int64_t begin, int64_t end, int64_t block_size, int64_t KVH, int64_t,
