@@ -83,17 +83,20 @@ def forward_ms(model, batch: int, context: int, prefill: int = 0, reps: int = 5,
     nblocks = batch * per_seq + 1
     kv = torch.zeros(cfg.num_layers, 2, nblocks, cfg.num_kv_heads, bs, cfg.head_dim, dtype=model.norm.weight.dtype)
     tables = torch.arange(1, nblocks).view(batch, per_seq)
+    write = kernels.write_kv() if attention == "auto" else None  # the cache write, as the engine's runner takes it
     if prefill:
         n = prefill
         kernel = kernels.paged_prefill_attention() if attention == "auto" else None
-        meta = AttentionMetadata.build(torch.arange(bs, bs + n), None, 0, [(0, n, n, tables[0])], prefill_kernel=kernel)
+        meta = AttentionMetadata.build(torch.arange(bs, bs + n), None, 0, [(0, n, n, tables[0])], prefill_kernel=kernel,
+                                       write_kv=write)
         args = (torch.randint(0, 40000, (n,)), torch.arange(n), kv, meta, torch.tensor([n - 1]))
     else:
         pos = torch.full((batch,), context - 1)
         slots = tables[:, (context - 1) // bs] * bs + (context - 1) % bs
         kernel = kernels.paged_decode_attention() if attention == "auto" else None
         if kernel is not None:
-            meta = AttentionMetadata.build(slots, None, context, [], paged_decode=PagedDecode(kernel, tables, pos + 1))
+            meta = AttentionMetadata.build(slots, None, context, [], paged_decode=PagedDecode(kernel, tables, pos + 1),
+                                           write_kv=write)
         else:
             groups = decode_groups(tables.numpy(), (pos + 1).numpy(), bs, DecodeMaskTable(kv.device),
                                    torch.as_tensor, mask_lone_row=True)

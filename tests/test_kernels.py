@@ -109,6 +109,51 @@ def test_no_rows_and_bad_arguments(kernel):
         kernel(q, k_cache, v_cache, table.int(), seq_lens, 0.1)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_query_rows_read_in_place_from_a_wider_buffer(kernel, dtype):
+    """q as the model hands it: rows of a QKV buffer (keys and values after each row's query
+    heads), read where they lie, the same bits as a contiguous copy; heads not laid out as [H, D]
+    within a row are refused."""
+    q, k_cache, v_cache, table, seq_lens = paged_case([5, 300, 33], 9, 3, 64, 16, dtype, seed=2)
+    qkv = torch.randn(3, 15, 64).to(dtype)
+    qkv[:, :9] = q
+    view = qkv[:, :9]
+    assert not view.is_contiguous()
+    assert torch.equal(kernel(view, k_cache, v_cache, table, seq_lens, 0.125),
+                       kernel(q, k_cache, v_cache, table, seq_lens, 0.125))
+    with pytest.raises(RuntimeError, match="q's rows"):
+        kernel(q.transpose(0, 1).contiguous().transpose(0, 1), k_cache, v_cache, table, seq_lens, 0.125)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_puts_each_token_in_its_slot_and_touches_nothing_else(dtype):
+    """The cache write against the layout's definition (engine/kv_cache.py): token t's head h to
+    block slot // block_size, head h, offset slot % block_size; k and v as views of a QKV buffer;
+    every other row as it was; a slot outside the cache refused before anything is written."""
+    write = kernels.write_kv()
+    blocks, kv_heads, block, dim = 7, 3, 16, 64
+    g = torch.Generator().manual_seed(3)
+    k_cache = torch.randn(blocks, kv_heads, block, dim, generator=g).to(dtype)
+    v_cache = torch.randn(blocks, kv_heads, block, dim, generator=g).to(dtype)
+    slots = torch.tensor([17, 0, 111, 64, 65, 40])  # scattered, within and across blocks, the last slot
+    qkv = torch.randn(len(slots), 9 + 2 * kv_heads, dim, generator=g).to(dtype)
+    k, v = qkv[:, 9 : 9 + kv_heads], qkv[:, 9 + kv_heads :]
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    for t, slot in enumerate(slots.tolist()):
+        want_k[slot // block, :, slot % block] = k[t]
+        want_v[slot // block, :, slot % block] = v[t]
+    write(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    with pytest.raises(RuntimeError, match="slot 112 of token 1 outside the cache's 112"):
+        write(k, v, k_cache, v_cache, torch.tensor([3, 112, 4, 5, 6, 7]))
+    assert torch.equal(k_cache, want_k)  # checked first, written after
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        write(k.half(), v.half(), k_cache, v_cache, slots)
+    with pytest.raises(RuntimeError, match="slots"):
+        write(k, v, k_cache, v_cache, slots[:2])
+    write(k[:0], v[:0], k_cache, v_cache, slots[:0])  # no tokens: nothing to do
+
+
 def test_without_a_compiler_the_kernels_fall_back_with_one_log_line(monkeypatch, tmp_path, caplog):
     """No compiler: one line for all libraries. A compiler that fails: one line per library,
     saying why (the compiler's own error) and what runs instead."""
@@ -157,16 +202,17 @@ def test_the_attention_backend_flag(monkeypatch, amx):
         attention_kernels("cpu-paged", Model(), fp16, cpu)
     assert attention_kernels("auto", Model(), fp16, cpu) == AttentionKernels()  # auto: SDPA where none applies
     assert attention_kernels("sdpa", Model(), bf16, cpu) == AttentionKernels()
-    both = AttentionKernels(kernels.paged_decode_attention(), kernels.paged_prefill_attention())
+    # The cache write comes with the decode kernel, whichever attends prefill chunks.
+    decode = AttentionKernels(kernels.paged_decode_attention(), write=kernels.write_kv())
+    both = AttentionKernels(kernels.paged_decode_attention(), kernels.paged_prefill_attention(), kernels.write_kv())
     # bf16 prefill on AMX: SDPA's flash kernel (AMX tiles) under auto; cpu-paged keeps leanserve's.
-    assert attention_kernels("auto", Model(), bf16, cpu) == (AttentionKernels(kernels.paged_decode_attention())
-                                                             if amx else both)
+    assert attention_kernels("auto", Model(), bf16, cpu) == (decode if amx else both)
     assert attention_kernels("cpu-paged", Model(), bf16, cpu) == both
     assert attention_kernels("auto", Model(), KVCache(1, 3, 64, 4, 16, torch.float32, "cpu"), cpu) == both
     # A head size the prefill kernel is not compiled for: auto attends prefill chunks with SDPA,
     # cpu-paged says why it cannot.
     Config.head_dim = 40
     bf16_40 = KVCache(1, 3, 40, 4, 16, torch.bfloat16, "cpu")
-    assert attention_kernels("auto", Model(), bf16_40, cpu) == AttentionKernels(kernels.paged_decode_attention())
+    assert attention_kernels("auto", Model(), bf16_40, cpu) == decode
     with pytest.raises(ValueError, match="cpu-paged prefill attention takes heads of a multiple of 16 dimensions"):
         attention_kernels("cpu-paged", Model(), bf16_40, cpu)

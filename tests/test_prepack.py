@@ -82,10 +82,12 @@ def magnitudes(x: torch.Tensor, lin: nn.Linear) -> torch.Tensor:
 
 @pytest.mark.skipif(not BRGEMM, reason="the brgemm layout is packed on CPUs with AVX512-BF16 only")
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 2, 3, 16, 17, 64, 300, 600])
+@pytest.mark.parametrize("rows", [1, 2, 3, 16, 17, 64, 300, 600, 700, 1900])
 def test_brgemm_products_are_f_linear_to_within_a_rounding(rows, bias):
     """kernels/brgemm_linear.cpp: one row in its own loop, more in oneDNN's brgemm micro-kernel (17: 16
-    rows and a remainder; 600: 256, 256, 80 and 8 rows), against float64 and F.linear. The shapes: the default model's
+    rows and a remainder; 600: 256, 256, 80 and 8 rows), against float64 and F.linear; inputs past
+    L2's 2 MB taken in groups of 256-row chunks (700 rows of 1,536 features: a chunk a group; 1,900
+    of 576: three chunks a group, the last group two). The shapes: the default model's
     (a tall head among them), a width that is not a multiple of the 32-feature blocks, an odd
     number of input pairs (70 features) for the one-row loop's tail, last blocks of 4, 8, 16 and 18
     features (both halves of the masked store)."""

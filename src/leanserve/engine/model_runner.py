@@ -175,6 +175,7 @@ class AttentionKernels:
 
     decode: Callable | None = None  # decode rows, each against its own blocks (PagedDecode)
     prefill: Callable | None = None  # one prefill chunk against its blocks (AttentionMetadata.prefill_kernel)
+    write: Callable | None = None  # the step's keys and values into the cache (AttentionMetadata.write_kv)
 
 
 def sdpa_prefills_faster(dtype: torch.dtype) -> bool:
@@ -217,7 +218,10 @@ def attention_kernels(backend: str, model: Transformer, kv_cache: KVCache, devic
             if kernel is None:
                 raise ValueError(f"attention_backend (--attention-backend): cpu-paged {what} attention "
                                  f"{why or 'did not build here (see the log)'}")
-    return AttentionKernels(decode, prefill)
+    # The cache write comes with the decode kernel's library, wherever that builds (why_not: the
+    # CPU, float32 or bfloat16; no limit on shapes).
+    write = kernels.write_kv() if why_not is None and decode is not None else None
+    return AttentionKernels(decode, prefill, write)
 
 
 class ModelRunner:
@@ -319,6 +323,7 @@ class ModelRunner:
             self.gather_scratch,
             paged,
             self.attention.prefill,
+            self.attention.write,
         )
         rows = inp.logits_indices
         extra = [np.arange(r0, r0 + len(t)) for _, r0, t, _ in inp.prompt_logprob_rows]

@@ -196,6 +196,9 @@ class AttentionMetadata:
     # (q [n, H, Dh], k_cache, v_cache, block_ids [blocks], context_len, scale) -> [n, H, Dh]: a chunk's
     # rows against its context, read in place; None: SDPA
     prefill_kernel: Callable | None = None
+    # (k [T, KVH, Dh], v, k_cache, v_cache, slot_mapping): the step's keys and values into the cache,
+    # in one call; None: an index_put_ per cache at cache_rows()
+    write_kv: Callable | None = None
 
     # cache_rows()'s result, computed by the first layer, used by all
     _cache_rows: torch.Tensor | None = field(default=None, repr=False)
@@ -227,6 +230,7 @@ class AttentionMetadata:
         scratch: GatherScratch | None = None,
         paged_decode: PagedDecode | None = None,
         prefill_kernel: Callable | None = None,
+        write_kv: Callable | None = None,
     ) -> "AttentionMetadata":
         """``decode_groups`` cover the decode rows (one group without ``rows``, or groups that
         partition them); a group without a mask is a lone decode row attending exactly
@@ -244,7 +248,10 @@ class AttentionMetadata:
         ``paged_decode``: the decode rows for an in-place kernel, given instead of ``decode_groups``.
 
         ``prefill_kernel``: attends each chunk's own rows to the keys of its ``block_ids`` where
-        they lie, every chunk's given (the chunk's own blocks included): no mask, no padding."""
+        they lie, every chunk's given (the chunk's own blocks included): no mask, no padding.
+
+        ``write_kv``: writes the step's keys and values into the cache (one call a layer for both),
+        instead of an index_put_ per cache."""
         device = slot_mapping.device
         decode_groups = decode_groups or []
         if any(g.rows is not None and g.mask is None for g in decode_groups):
@@ -271,7 +278,7 @@ class AttentionMetadata:
             mask = torch.arange(kv_len, device=device)[None, :] <= q_pos[:, None]
             chunks.append(PrefillChunk(start, length, context_len, block_ids, mask, q_len, kv_len))
         return cls(slot_mapping, num_decode, decode_groups, decode_len, chunks,
-                   scratch if scratch is not None else GatherScratch(), paged_decode, prefill_kernel)
+                   scratch if scratch is not None else GatherScratch(), paged_decode, prefill_kernel, write_kv)
 
 
 class DecodeMaskTable:
@@ -317,9 +324,13 @@ def paged_attention(
     num_blocks, kv_heads, block_size, head_dim = k_cache.shape
     n = meta.num_tokens
     padded = q.shape[0] != n
-    rows = meta.cache_rows(kv_heads, block_size)
-    k_cache.view(-1, head_dim).index_put_((rows,), k[:n] if padded else k)
-    v_cache.view(-1, head_dim).index_put_((rows,), v[:n] if padded else v)
+    new_k, new_v = (k[:n], v[:n]) if padded else (k, v)
+    if meta.write_kv is not None:
+        meta.write_kv(new_k, new_v, k_cache, v_cache, meta.slot_mapping)
+    else:
+        rows = meta.cache_rows(kv_heads, block_size)
+        k_cache.view(-1, head_dim).index_put_((rows,), new_k)
+        v_cache.view(-1, head_dim).index_put_((rows,), new_v)
     d = meta.num_decode
     if not meta.prefills and not padded:  # a pure decode step: no output to assemble from parts
         return _decode_attention(q, k_cache, v_cache, meta, scale).flatten(1)
@@ -358,7 +369,8 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     """One query per sequence against its context: [D, H, Dh] -> [D, H, Dh], in place by the
     kernel of ``meta.paged_decode``, else gathered group by group."""
     if (paged := meta.paged_decode) is not None:
-        return paged.kernel(q.contiguous(), k_cache, v_cache, paged.block_table, paged.seq_lens, scale)
+        # q's rows are views of the QKV buffer: the kernel reads them there, no copy
+        return paged.kernel(q, k_cache, v_cache, paged.block_table, paged.seq_lens, scale)
     (first, *more) = meta.decode_groups
     if not more and first.rows is None:
         return _attend_group(q, k_cache, v_cache, first, meta, scale)

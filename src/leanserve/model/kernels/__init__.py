@@ -1,7 +1,8 @@
 """Kernels leanserve compiles on the machine it runs on, for what PyTorch does not ship.
 
 Four libraries today, each with its reasons in its header: attention over the paged KV cache
-on the CPU, for decode rows (``paged_decode_attention.cpp``) and for prefill chunks
+on the CPU, for decode rows (``paged_decode_attention.cpp``, which also writes a step's keys and
+values into the cache: the layout's writer beside its reader) and for prefill chunks
 (``paged_prefill_attention.cpp``), the elementwise work between a decoder layer's GEMMs
 (``layer_ops.cpp``: RMS norm with the residual add, the rotary embedding, SiLU-and-multiply),
 and, on CPUs with AVX512-BF16, the bf16 linear layers themselves (``brgemm_linear.cpp``).
@@ -134,6 +135,13 @@ def paged_decode_attention() -> Callable | None:
     if not _load("paged_decode_attention", "decode attention", "gathered keys + SDPA"):
         return None
     return torch.ops.leanserve.paged_decode_attention
+
+
+def write_kv() -> Callable | None:
+    """``torch.ops.leanserve.write_kv(k, v, k_cache, v_cache, slots)``: a step's new keys and
+    values into their cache slots, both in one call (CPU, float32 or bfloat16; it lives beside
+    decode attention, the reader of the layout it writes), or None where it cannot be built here."""
+    return None if paged_decode_attention() is None else torch.ops.leanserve.write_kv
 
 
 @functools.cache
