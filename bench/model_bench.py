@@ -75,10 +75,11 @@ def gemm_gflops(dtype, quantization: str, m: int, k: int = 576, n: int = 1536, r
 def forward_ms(model, batch: int, context: int, prefill: int = 0, reps: int = 5, attention: str = "auto") -> float:
     """``attention``: decode rows and the prefill in leanserve's CPU kernels where they build
     (auto, the engine's default) or in SDPA (sdpa)."""
+    from leanserve.engine.config import default_block_size
     from leanserve.model import kernels
     from leanserve.model.attention import AttentionMetadata, DecodeMaskTable, PagedDecode, decode_groups
 
-    cfg, bs = model.config, 16
+    cfg, bs = model.config, default_block_size("cpu")  # the engine's
     per_seq = -(-max(context, prefill) // bs) + 1
     nblocks = batch * per_seq + 1
     kv = torch.zeros(cfg.num_layers, 2, nblocks, cfg.num_kv_heads, bs, cfg.head_dim, dtype=model.norm.weight.dtype)

@@ -114,7 +114,7 @@ def test_prefix_cache_computes_only_the_rest(tiny):
         before = llm.engine.scheduler.prompt_tokens_total
         out = llm.generate([b], GREEDY)[0]
         computed = llm.engine.scheduler.prompt_tokens_total - before
-    assert out.num_cached_tokens == 160  # ten full 16-token blocks
+    assert out.num_cached_tokens == 160  # five full 32-token blocks (the CPU default)
     assert computed == len(b) - 160
     assert out.outputs[0].token_ids == expected
     assert llm.engine.scheduler.prefix_hits >= 160
@@ -127,7 +127,7 @@ def test_prefix_cache_eviction_under_small_pool(tiny):
     block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # layers * kv * block * kv_heads * head_dim * fp32
     with make_llm(tiny, enable_prefix_caching=False) as ref_llm:
         expected = alone(ref_llm, prompts, GREEDY)
-    with make_llm(tiny, kv_cache_memory=13 * block_bytes, max_num_seqs=2) as llm:
+    with make_llm(tiny, kv_cache_memory=13 * block_bytes, max_num_seqs=2, block_size=16) as llm:
         assert llm.engine.kv.pool.num_blocks == 13
         got = alone(llm, prompts, GREEDY) + [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
         assert llm.engine.kv.pool.num_used == 0
@@ -141,7 +141,7 @@ def test_preemption_keeps_outputs(tiny):
     with make_llm(tiny) as ref_llm:
         expected = alone(ref_llm, prompts, p)
     # 16 usable blocks; 6 requests growing to ~6 blocks each cannot all stay resident.
-    with make_llm(tiny, kv_cache_memory=17 * block_bytes, max_num_seqs=6) as llm:
+    with make_llm(tiny, kv_cache_memory=17 * block_bytes, max_num_seqs=6, block_size=16) as llm:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, p)]
         assert llm.engine.scheduler.num_preemptions > 0
         assert llm.engine.kv.pool.num_used == 0

@@ -108,7 +108,7 @@ def test_a_decode_engine_decodes_from_pulled_kv_what_one_engine_would(engines, c
         assert d.scheduler.prompt_tokens_total - before == 1  # only the last prompt token computed here
         # The decode engine's blocks hold the prefill engine's bytes: the full ones exactly (the
         # last is rewritten from its last prompt token on, by this engine's own decode rows).
-        full = (len(ids) - 1) // 16
+        full = (len(ids) - 1) // d.kv.block_size
         received = blocks_of(d, d.scheduler.batch.block_table[0, :full])  # slot 0: the only one used
         assert np.array_equal(received, blocks[:, :full])
     p.step()  # pulled leases come back to the loop: their blocks are freed
@@ -168,7 +168,7 @@ def test_n_samples_share_the_received_prompt(engines):
 
 
 @pytest.mark.parametrize("change,named", [
-    (dict(block_size=8), "block_size: 16 on the prefill worker, 8 on the decode worker"),
+    (dict(block_size=8), "block_size: 32 on the prefill worker, 8 on the decode worker"),  # 32: the CPU default
     (dict(dtype=torch.bfloat16), "dtype: float32 on the prefill worker, bfloat16 on the decode worker"),
     (dict(seed=1), "model: llama-"),
 ])

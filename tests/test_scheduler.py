@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from leanserve.cli import _engine_config, build_parser
 from leanserve.engine.batch_state import BatchState
-from leanserve.engine.config import CPU_PREFILL_CHUNK, EngineConfig, default_max_num_batched_tokens
+from leanserve.engine.config import CPU_BLOCK_SIZE, CPU_PREFILL_CHUNK, EngineConfig, default_max_num_batched_tokens
 from leanserve.engine.kv_cache import BlockPool
 from leanserve.engine.params import SamplingParams
 from leanserve.engine.request import FinishReason, Request, Status
@@ -144,6 +144,16 @@ def test_default_budget_is_per_device_and_the_flag_overrides_it():
         == 4096
     assert _engine_config(parse(["serve", "--max-num-batched-tokens", "2048"])).max_num_batched_tokens == 2048
     assert EngineConfig(max_num_batched_tokens=8).max_num_batched_tokens == 8
+
+
+def test_default_block_size_is_per_device_and_the_flag_overrides_it():
+    parse = build_parser().parse_args
+    assert _engine_config(parse(["serve"])).block_size == CPU_BLOCK_SIZE == 32
+    assert _engine_config(parse(["serve", "--device", "cuda"])).block_size == 16
+    assert _engine_config(parse(["serve", "--block-size", "16"])).block_size == 16
+    assert EngineConfig(block_size=8).block_size == 8
+    with pytest.raises(ValueError, match="block_size: must be >= 1"):
+        EngineConfig(block_size=0).validate()
 
 
 @pytest.mark.parametrize("max_num_seqs", [4, 64])

@@ -25,7 +25,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens one step computes (decode rows + prefill chunks); default: --max-num-seqs + 128 "
                         "on CPU (192), 2048 on a GPU")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=None,
+                   help="tokens a KV cache block holds; default: 32 on CPU, 16 on a GPU")
     p.add_argument("--kv-cache-memory", type=_bytes, default=None, help="bytes, e.g. 512M or 2G")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--seed", type=int, default=None)

@@ -41,6 +41,24 @@ CPU_PREFILL_CHUNK = 128
 ACCELERATOR_BATCHED_TOKENS = 2048
 
 
+# A CPU step's decode attention walks each row's blocks, a run of each KV head's rows a block: 32
+# tokens make the runs 4 KB (the default model in bf16) and halve the walk's block boundaries and
+# prefetches. Served against 16 (3 interleaved rounds a machine, output tok/s): on the 2-core AMD
+# EPYC 1.07x at 64 x 1,024, 1.04x at 64 x 128, 1.02x at 16 x 1,024, level at one request
+# (bench/results/kv_layout.md); on the 2-core Xeon with AMX 1.04x at one 128-token request, level
+# at 64 x 128 and 64 x 1,024 (kv_write_serve.md); never behind. 64 and 128 were no faster a layer.
+# What it costs: a prefix cache hit matches whole blocks (up to 31 tokens recomputed instead of
+# 15), and a request's last block wastes up to 31 slots. A GPU keeps vLLM's 16 there (measured on
+# neither).
+CPU_BLOCK_SIZE = 32
+ACCELERATOR_BLOCK_SIZE = 16
+
+
+def default_block_size(device: str) -> int:
+    """Tokens a KV block holds unless set: 32 on a CPU, 16 elsewhere."""
+    return CPU_BLOCK_SIZE if device.startswith("cpu") else ACCELERATOR_BLOCK_SIZE
+
+
 def default_max_num_batched_tokens(device: str, max_num_seqs: int) -> int:
     """The token budget of a step unless set: on a CPU every running request's decode row plus
     one chunk (192 at the default 64 sequences), so neither starves the other; elsewhere 2048,
@@ -59,7 +77,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's context length
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None  # None: default_max_num_batched_tokens(device, max_num_seqs)
-    block_size: int = 16
+    block_size: int | None = None  # None: default_block_size(device)
     kv_cache_memory: int | None = None  # bytes; None: kv_cache_fraction of available memory
     kv_cache_fraction: float = 0.1
     enable_prefix_caching: bool = True
@@ -77,6 +95,8 @@ class EngineConfig:
     distributed_executor_backend: str = "mp"
 
     def __post_init__(self):
+        if self.block_size is None:
+            self.block_size = default_block_size(self.device)
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = default_max_num_batched_tokens(self.device, self.max_num_seqs)
 
