@@ -108,7 +108,8 @@ def test_bf16_step_shapes_are_bounded(tiny, backend):
     assert bool(log.sdpa) == (backend == "sdpa" or sdpa_prefills_faster(torch.bfloat16))
     q_lens = {bucket(n, 16) for n in range(1, 513)}
     for batch, heads, q_len, kv_len in log.sdpa:
-        assert kv_len % 16 == 0, (batch, heads, q_len, kv_len)  # whole (bucketed) blocks
+        # whole (bucketed) blocks of context, or a chunk's own rows bucketed to multiples of 16
+        assert kv_len % 16 == 0, (batch, heads, q_len, kv_len)
         if batch == 1 and heads == core.model.config.num_heads:  # a prefill chunk
             assert q_len in q_lens
 

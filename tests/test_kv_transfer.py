@@ -14,7 +14,7 @@ import zmq
 
 from leanserve.bench.disagg import install_copy_bug
 from leanserve.bench.host import tiny_model
-from leanserve.engine.config import EngineConfig
+from leanserve.engine.config import CPU_BLOCK_SIZE, EngineConfig
 from leanserve.engine.core import EngineCore
 from leanserve.engine.kv_transfer.config import KVTransferConfig
 from leanserve.engine.kv_transfer.messages import RemotePrefill
@@ -96,7 +96,7 @@ def test_a_decode_engine_decodes_from_pulled_kv_what_one_engine_would(engines, c
     every run of blocks is sent as the cache's own memory and tracked until ZeroMQ is done."""
     monkeypatch.setattr(zmq, "COPY_THRESHOLD", copy_threshold)  # read by each socket as it is made
     p, d, single = engines("kv_producer"), engines("kv_consumer"), engines(None)
-    prompts = [prompt(n, seed=n) for n in (5, 16, 50, 200)]
+    prompts = [prompt(n, seed=n) for n in (5, 16, 32, 50, 200)]  # 16, 32: whole blocks of either size
     for i, ids in enumerate(prompts):
         remote = prefill(p, 100 + i, ids)
         blocks = blocks_of(p, remote.block_ids)
@@ -113,7 +113,7 @@ def test_a_decode_engine_decodes_from_pulled_kv_what_one_engine_would(engines, c
         assert np.array_equal(received, blocks[:, :full])
     p.step()  # pulled leases come back to the loop: their blocks are freed
     assert p.kv.pool.num_used == 0 and p.connector.leases.num_held == 0
-    assert d.connector.counters.loads_completed == 4 and d.connector.counters.bytes_received == \
+    assert d.connector.counters.loads_completed == len(prompts) and d.connector.counters.bytes_received == \
         p.connector.counters.bytes_sent > 0
 
 
@@ -164,11 +164,12 @@ def test_n_samples_share_the_received_prompt(engines):
     single.add_request(20, ids, params)
     got, want = run(d, [10, 11, 12]), run(single, [20, 21, 22])
     assert [tokens(got[10 + i]) for i in range(3)] == [tokens(want[20 + i]) for i in range(3)]
-    assert d.scheduler.prompt_tokens_total == 1 + 2 * (37 - 32)  # siblings compute the partial block
+    partial = 37 % d.kv.block_size
+    assert d.scheduler.prompt_tokens_total == 1 + 2 * partial  # siblings compute the partial block
 
 
 @pytest.mark.parametrize("change,named", [
-    (dict(block_size=8), "block_size: 32 on the prefill worker, 8 on the decode worker"),  # 32: the CPU default
+    (dict(block_size=8), f"block_size: {CPU_BLOCK_SIZE} on the prefill worker, 8 on the decode worker"),
     (dict(dtype=torch.bfloat16), "dtype: float32 on the prefill worker, bfloat16 on the decode worker"),
     (dict(seed=1), "model: llama-"),
 ])

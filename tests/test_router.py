@@ -27,6 +27,7 @@ import openai
 import pytest
 
 from leanserve import cli
+from leanserve.engine.config import CPU_BLOCK_SIZE
 from leanserve.router.pool import Pool
 
 from . import server_util
@@ -433,7 +434,7 @@ def test_a_decode_worker_with_another_block_size_is_refused_naming_it(replicas, 
                 "kv_transfer_params": prefill_params(a, prompt)})
             message = r.json()["error"]["message"] if not stream else json.loads(r.text.split("\n\n")[0][6:])[
                 "error"]["message"]
-            assert (r.status_code, "block_size: 32 on the prefill worker, 8 on the decode worker" in message) == \
+            assert (r.status_code, f"block_size: {CPU_BLOCK_SIZE} on the prefill worker, 8 on the decode worker" in message) == \
                    (500 if not stream else 200, True), message
         wait_for(lambda: metric(a.url, "leanserve:kv_leases") == 0, what="the refused leases to be freed")
     finally:

@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from leanserve import LLM, SamplingParams
+from leanserve.engine.config import CPU_BLOCK_SIZE
 
 from .server_util import LiveServer
 
@@ -130,8 +131,8 @@ def test_prompt_token_ids_and_cached_tokens(client, model_name, server):
     first = client.completions.create(model=model_name, prompt=ids, max_tokens=2, temperature=0)
     second = client.completions.create(model=model_name, prompt=ids, max_tokens=2, temperature=0)
     assert first.usage.prompt_tokens == len(ids)
-    block = 32  # the CPU default block size: a hit matches whole blocks
-    assert second.usage.prompt_tokens_details.cached_tokens == (len(ids) - 1) // block * block
+    # A hit matches whole blocks (the server's: the CPU default)
+    assert second.usage.prompt_tokens_details.cached_tokens == (len(ids) - 1) // CPU_BLOCK_SIZE * CPU_BLOCK_SIZE
     assert first.choices[0].text == second.choices[0].text
 
 

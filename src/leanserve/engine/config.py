@@ -46,10 +46,12 @@ ACCELERATOR_BATCHED_TOKENS = 2048
 # prefetches. Served against 16 (3 interleaved rounds a machine, output tok/s): on the 2-core AMD
 # EPYC 1.07x at 64 x 1,024, 1.04x at 64 x 128, 1.02x at 16 x 1,024, level at one request
 # (bench/results/kv_layout.md); on the 2-core Xeon with AMX 1.04x at one 128-token request, level
-# at 64 x 128 and 64 x 1,024 (kv_write_serve.md); never behind. 64 and 128 were no faster a layer.
-# What it costs: a prefix cache hit matches whole blocks (up to 31 tokens recomputed instead of
-# 15), and a request's last block wastes up to 31 slots. A GPU keeps vLLM's 16 there (measured on
-# neither).
+# (1.00x, 0.997x) at 64 x 128 and 64 x 1,024 (kv_write_serve.md). 64 and 128 were no faster a
+# layer. What it costs: a prefix cache hit matches whole blocks (up to 31 tokens recomputed
+# instead of 15), a request's last block wastes up to 31 slots, and where decode rows go to SDPA
+# instead (--attention-backend sdpa, float16) each is padded to whole blocks, up to 31 keys
+# (not measured with 32). A GPU keeps vLLM's 16 there (measured on neither). A prefill and a
+# decode worker must agree on it: a CPU and a GPU worker pass the same --block-size.
 CPU_BLOCK_SIZE = 32
 ACCELERATOR_BLOCK_SIZE = 16
 

@@ -219,8 +219,8 @@ def attention_kernels(backend: str, model: Transformer, kv_cache: KVCache, devic
                 raise ValueError(f"attention_backend (--attention-backend): cpu-paged {what} attention "
                                  f"{why or 'did not build here (see the log)'}")
     # The cache write comes with the decode kernel's library, wherever that builds (why_not: the
-    # CPU, float32 or bfloat16; no limit on shapes).
-    write = kernels.write_kv() if why_not is None and decode is not None else None
+    # CPU, float32 or bfloat16); it has no limit on shapes of its own.
+    write = kernels.write_kv() if why_not is None else None
     return AttentionKernels(decode, prefill, write)
 
 

@@ -369,7 +369,8 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     """One query per sequence against its context: [D, H, Dh] -> [D, H, Dh], in place by the
     kernel of ``meta.paged_decode``, else gathered group by group."""
     if (paged := meta.paged_decode) is not None:
-        # q's rows are views of the QKV buffer: the kernel reads them there, no copy
+        # q's rows may be views of the QKV buffer (the CPU's rotary rotates them in place): the
+        # kernel reads them where they are, no copy
         return paged.kernel(q, k_cache, v_cache, paged.block_table, paged.seq_lens, scale)
     (first, *more) = meta.decode_groups
     if not more and first.rows is None:

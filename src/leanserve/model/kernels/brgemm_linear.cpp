@@ -63,7 +63,9 @@ constexpr int64_t kGroup = 32;            // inputs per scale of a GGUF Q4 or Q8
 constexpr int64_t kBrgemmRows = 256;      // rows per micro-kernel call
 constexpr int64_t kBrgemmStep = 16;       // ... a multiple of this plus a remainder: see brgemm_linear
 constexpr int64_t kPrefetchBytes = 8192;  // how far ahead of the one-row loop's reads
-constexpr int64_t kL2Bytes = 2 << 20;          // a core's L2 (Sapphire Rapids, Zen 4: 2 MB and 1 MB)
+// A core's L2 on Sapphire Rapids, where the groups below were measured; Zen 4's is 1 MB, so there
+// inputs of 1-2 MB stay one group (not measured there).
+constexpr int64_t kL2Bytes = 2 << 20;
 constexpr int64_t kGroupInputBytes = 1 << 20;  // input rows a group of the micro-kernel's tasks reads
 
 // The 32 results of a block for one row, plus the bias, rounded to bf16 and stored; the last
@@ -275,11 +277,12 @@ at::Tensor brgemm_linear(const at::Tensor& x, const at::Tensor& weight, const st
   TORCH_CHECK(at::globalContext().userEnabledMkldnn(),
               "brgemm_linear: more than one row needs oneDNN's micro-kernel, and torch.backends.mkldnn is disabled");
   const int64_t row_chunks = (M + kBrgemmRows - 1) / kBrgemmRows;
-  // Tasks block-major (a thread's consecutive tasks reuse one block of the weight, each thread
-  // reads half the weight), in groups of row chunks: all of them where the input fits in L2,
-  // else as many as fit in kGroupInputBytes, group after group, so a block's rows come from L2,
-  // not L3. With one group at 2,048 rows of 576 features (2.4 MB) the model's 120 GEMMs of a
-  // step, weights from memory, ran at 1.45 TFLOP/s, in groups at 1.76-1.88 (2-core Xeon with AMX;
+  // Tasks block-major (a thread's consecutive tasks reuse one block of the weight), in groups of
+  // row chunks: all of them where the input fits in L2 (each thread then reads half the weight
+  // once), else as many as fit in kGroupInputBytes, group after group, so a block's rows come
+  // from L2, not L3, for the price of reading the weight once a group (at 2,048 rows of 576
+  // features three times, of 1,536 eight). With one group there the model's 120 GEMMs of a step,
+  // weights from memory, ran at 1.41-1.45 TFLOP/s, in groups at 1.88-1.91 (2-core Xeon with AMX;
   // at 576 rows groups were slower, 1.57 against 1.66: below L2's size they stay one).
   const int64_t input_bytes = M * K * 2;
   const int64_t group_chunks = input_bytes <= kL2Bytes

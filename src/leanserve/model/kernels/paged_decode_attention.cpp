@@ -30,7 +30,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
-#include <ATen/ops/empty_like.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
@@ -522,7 +522,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   TORCH_CHECK(k_cache.size(3) == D && H % KVH == 0 && H <= kMaxHeads && D <= kMaxHeadDim &&
                   k_cache.size(2) <= kMaxBlockSize,
               "paged_decode_attention: unsupported shape");
-  at::Tensor out = at::empty_like(q);
+  at::Tensor out = at::empty(q.sizes(), q.options());  // contiguous, whatever q's row stride
   if (q.size(0) == 0) return out;
   for_dtype(q.scalar_type(), "paged_decode_attention", [&](auto tag) {
     run<decltype(tag)>(q, k_cache, v_cache, block_table, seq_lens, scale, out);
