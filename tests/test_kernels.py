@@ -139,19 +139,19 @@ def test_write_kv_puts_each_token_in_its_slot_and_touches_nothing_else(dtype):
     qkv = torch.randn(len(slots), 9 + 2 * kv_heads, dim, generator=g).to(dtype)
     k, v = qkv[:, 9 : 9 + kv_heads], qkv[:, 9 + kv_heads :]
     want_k, want_v = k_cache.clone(), v_cache.clone()
-    for t, slot in enumerate(slots.tolist()):
-        want_k[slot // block, :, slot % block] = k[t]
-        want_v[slot // block, :, slot % block] = v[t]
-    write(k, v, k_cache, v_cache, slots)
-    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+    def check(k, v):
+        for t, slot in enumerate(slots.tolist()):
+            want_k[slot // block, :, slot % block] = k[t]
+            want_v[slot // block, :, slot % block] = v[t]
+        write(k, v, k_cache, v_cache, slots)
+        assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+    check(k, v)
     # Heads strided too: k and v as views of [KVH, T, D] buffers.
     heads_first = [torch.randn(kv_heads, len(slots), dim, generator=g).to(dtype) for _ in range(2)]
     k, v = (t.transpose(0, 1) for t in heads_first)
-    for t, slot in enumerate(slots.tolist()):
-        want_k[slot // block, :, slot % block] = k[t]
-        want_v[slot // block, :, slot % block] = v[t]
-    write(k, v, k_cache, v_cache, slots)
-    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    check(k, v)
     with pytest.raises(RuntimeError, match="slot 112 of token 1 outside the cache's 112"):
         write(k, v, k_cache, v_cache, torch.tensor([3, 112, 4, 5, 6, 7]))
     assert torch.equal(k_cache, want_k)  # checked first, written after

@@ -434,8 +434,8 @@ def test_a_decode_worker_with_another_block_size_is_refused_naming_it(replicas, 
                 "kv_transfer_params": prefill_params(a, prompt)})
             message = r.json()["error"]["message"] if not stream else json.loads(r.text.split("\n\n")[0][6:])[
                 "error"]["message"]
-            assert (r.status_code, f"block_size: {CPU_BLOCK_SIZE} on the prefill worker, 8 on the decode worker" in message) == \
-                   (500 if not stream else 200, True), message
+            named = f"block_size: {CPU_BLOCK_SIZE} on the prefill worker, 8 on the decode worker"
+            assert (r.status_code, named in message) == (500 if not stream else 200, True), message
         wait_for(lambda: metric(a.url, "leanserve:kv_leases") == 0, what="the refused leases to be freed")
     finally:
         other.stop()

@@ -2,8 +2,8 @@
 
 Every array of :class:`ModelInput` is int64 already, so a message is a 6-word header and the
 arrays back to back: a decode step of 64 sequences at 256-token contexts is 838 words (6.7 KB)
-with the CPU's 32-token blocks (1,350 with 16). Only what the forward reads is sent; sampling settings stay on rank 0, the only rank
-that samples. A rank decodes views into its copy of the message and runs the very forward rank
+with the CPU's 32-token blocks (1,350 with 16). Only what the forward reads is sent; sampling
+settings stay on rank 0, the only rank that samples. A rank decodes views into its copy of the message and runs the very forward rank
 0 runs, so every rank makes the same shape decisions (padding, which rows reach the head) and
 the collectives line up.
 """

@@ -555,20 +555,22 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(slot[t] >= 0 && slot[t] < capacity, "write_kv: slot ", slot[t], " of token ", t,
                 " outside the cache's ", capacity);
-  const int64_t row_bytes = D * k.element_size();
+  // Byte offsets: one function for both dtypes.
+  const int64_t es = k.element_size(), row_bytes = D * es;
+  const int64_t k_token = k.stride(0) * es, k_head = k.stride(1) * es;
+  const int64_t v_token = v.stride(0) * es, v_head = v.stride(1) * es;
   const char* kp = static_cast<const char*>(k.data_ptr());
   const char* vp = static_cast<const char*>(v.data_ptr());
   char* kc = static_cast<char*>(k_cache.data_ptr());
   char* vc = static_cast<char*>(v_cache.data_ptr());
-  const int64_t es = k.element_size();
   // A decode step's rows stay on the calling thread (waking the pool costs more than the copies).
   at::parallel_for(0, T, 256, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t block = slot[t] / block_size, offset = slot[t] % block_size;
       for (int64_t h = 0; h < KVH; ++h) {
         const int64_t row = ((block * KVH + h) * block_size + offset) * row_bytes;
-        std::memcpy(kc + row, kp + (t * k.stride(0) + h * k.stride(1)) * es, row_bytes);
-        std::memcpy(vc + row, vp + (t * v.stride(0) + h * v.stride(1)) * es, row_bytes);
+        std::memcpy(kc + row, kp + t * k_token + h * k_head, row_bytes);
+        std::memcpy(vc + row, vp + t * v_token + h * v_head, row_bytes);
       }
     }
   });
