@@ -17,7 +17,6 @@ from torch.overrides import TorchFunctionMode
 
 from leanserve.engine.config import EngineConfig
 from leanserve.engine.core import EngineCore
-from leanserve.engine.model_runner import sdpa_prefills_faster
 from leanserve.engine.params import SamplingParams
 from leanserve.engine.stats import FIELDS
 from leanserve.model.attention import DecodeMaskTable, bucket
@@ -104,8 +103,8 @@ def test_bf16_step_shapes_are_bounded(tiny, backend):
     assert distinct_steps > 10  # the traffic did vary the step's size
     # Decode attention is SDPA over whole blocks, or the kernel; no batched matmul whose shape follows the batch.
     assert not log.matmul
-    # auto: prefill chunks too in leanserve's kernel, but in SDPA on AMX (sdpa_prefills_faster).
-    assert bool(log.sdpa) == (backend == "sdpa" or sdpa_prefills_faster(torch.bfloat16))
+    # auto: prefill chunks too in leanserve's kernel.
+    assert bool(log.sdpa) == (backend == "sdpa")
     q_lens = {bucket(n, 16) for n in range(1, 513)}
     for batch, heads, q_len, kv_len in log.sdpa:
         # whole (bucketed) blocks of context, or a chunk's own rows bucketed to multiples of 16

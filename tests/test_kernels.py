@@ -189,9 +189,7 @@ def test_without_a_compiler_the_kernels_fall_back_with_one_log_line(monkeypatch,
     assert not cache.exists() or list(cache.iterdir()) == []  # nothing half-built left behind
 
 
-@pytest.mark.parametrize("amx", [False, True])
-def test_the_attention_backend_flag(monkeypatch, amx):
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+def test_the_attention_backend_flag():
     with pytest.raises(ValueError, match="attention_backend"):
         EngineConfig(attention_backend="flash").validate()
     with pytest.raises(ValueError, match="cpu-paged runs on the CPU"):
@@ -213,8 +211,7 @@ def test_the_attention_backend_flag(monkeypatch, amx):
     # The cache write comes with the decode kernel, whichever attends prefill chunks.
     decode = AttentionKernels(kernels.paged_decode_attention(), write=kernels.write_kv())
     both = AttentionKernels(kernels.paged_decode_attention(), kernels.paged_prefill_attention(), kernels.write_kv())
-    # bf16 prefill on AMX: SDPA's flash kernel (AMX tiles) under auto; cpu-paged keeps leanserve's.
-    assert attention_kernels("auto", Model(), bf16, cpu) == (decode if amx else both)
+    assert attention_kernels("auto", Model(), bf16, cpu) == both
     assert attention_kernels("cpu-paged", Model(), bf16, cpu) == both
     assert attention_kernels("auto", Model(), KVCache(1, 3, 64, 4, 16, torch.float32, "cpu"), cpu) == both
     # A head size the prefill kernel is not compiled for: auto attends prefill chunks with SDPA,

@@ -1,20 +1,43 @@
 """leanserve's CPU prefill attention kernel (model/kernels/paged_prefill_attention.cpp): a chunk
 of a sequence's tokens against a dense float64 causal reference, reading only its own blocks, a
-token's output bitwise the same in any chunking and at any thread count."""
+token's output bitwise the same in any chunking and at any thread count. bf16 takes two paths, both
+tested where the CPU has AMX: the products in AMX's tiles (oneDNN's micro-kernel), and with oneDNN
+turned off, as on CPUs without AMX, in vector instructions."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
 
 from leanserve.model import kernels
+from leanserve.model.prepack import has_amx
+
+# (dtype, where its products are computed): bf16 in AMX's tiles only exists on a CPU with AMX.
+PATHS = [(torch.float32, "vector"), (torch.bfloat16, "vector")] + ([(torch.bfloat16, "tiles")] if has_amx() else [])
+
+
+@contextlib.contextmanager
+def on_path(path):
+    """The kernel's path for the calls inside: oneDNN off leaves the vector instructions."""
+    enabled = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = path == "tiles"
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.enabled = enabled
+
+
+def kernel_op():
+    k = kernels.paged_prefill_attention()
+    assert k is not None, "the kernel did not build on this machine (see the log)"
+    return k
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    k = kernels.paged_prefill_attention()
-    assert k is not None, "the kernel did not build on this machine (see the log)"
-    return k
+    return kernel_op()
 
 
 def sequence(context, heads, kv_heads, dim, block, dtype, seed=0):
@@ -56,15 +79,16 @@ SHAPES = [(9, 3, 64, 16), (4, 4, 128, 32), (16, 2, 16, 64), (6, 3, 96, 16), (24,
 
 
 @pytest.mark.parametrize("heads,kv_heads,dim,block", SHAPES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_chunk_attends_causally_to_exactly_its_context(kernel, heads, kv_heads, dim, block, dtype):
+@pytest.mark.parametrize("dtype,path", PATHS)
+def test_a_chunk_attends_causally_to_exactly_its_context(kernel, heads, kv_heads, dim, block, dtype, path):
     context = 1100
     q, k_cache, v_cache, ids = sequence(context, heads, kv_heads, dim, block, dtype)
     scale = dim ** -0.5
     # (chunk, context): one token, a tile of 16 and one past it, a whole prompt, chunks after
     # context ending mid-block and on a block edge.
     for n, ctx in [(1, 1), (16, 16), (17, 17), (300, 300), (5, 300), (100, 1024), (40, 1100), (1, 1100)]:
-        got = kernel(q[ctx - n : ctx], k_cache, v_cache, ids, ctx, scale)
+        with on_path(path):
+            got = kernel(q[ctx - n : ctx], k_cache, v_cache, ids, ctx, scale)
         assert got.dtype == dtype and got.shape == (n, heads, dim)
         want = reference(q[ctx - n : ctx], k_cache, v_cache, ids, ctx, scale)
         # bf16: the result rounded once (8 bits of mantissa); float32: float32 sums over ~1,000 keys.
@@ -73,17 +97,18 @@ def test_a_chunk_attends_causally_to_exactly_its_context(kernel, heads, kv_heads
 
 
 @pytest.mark.parametrize("heads,kv_heads,dim,block", [SHAPES[0], SHAPES[2]])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,path", PATHS)
 def test_a_tokens_output_is_bitwise_the_same_in_any_chunking_and_thread_count(kernel, heads, kv_heads, dim,
-                                                                             block, dtype):
+                                                                             block, dtype, path):
     context = 700
     q, k_cache, v_cache, ids = sequence(context, heads, kv_heads, dim, block, dtype, seed=1)
 
     def chunked(sizes):
         out, start = [], 0
-        for n in sizes:
-            out.append(kernel(q[start : start + n], k_cache, v_cache, ids, start + n, 0.125))
-            start += n
+        with on_path(path):
+            for n in sizes:
+                out.append(kernel(q[start : start + n], k_cache, v_cache, ids, start + n, 0.125))
+                start += n
         return torch.cat(out)
 
     whole = chunked([context])
@@ -97,15 +122,30 @@ def test_a_tokens_output_is_bitwise_the_same_in_any_chunking_and_thread_count(ke
         torch.set_num_threads(threads)
 
 
-def test_queries_may_be_rows_of_a_wider_buffer(kernel):
+@pytest.mark.skipif(not has_amx(), reason="bf16 has one path on a CPU without AMX")
+def test_on_amx_bf16_takes_the_tiles():
+    """The two bf16 paths round differently (the tiles sum in another order), so where they agree
+    bit for bit on every element the tests above would be testing one path twice."""
+    q, k_cache, v_cache, ids = sequence(300, 9, 3, 64, 16, torch.bfloat16)
+    with on_path("tiles"):
+        tiles = kernel_op()(q, k_cache, v_cache, ids, 300, 0.125)
+    with on_path("vector"):
+        vector = kernel_op()(q, k_cache, v_cache, ids, 300, 0.125)
+    assert not torch.equal(tiles, vector)
+    torch.testing.assert_close(tiles, vector, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype,path", PATHS[1:])
+def test_queries_may_be_rows_of_a_wider_buffer(kernel, dtype, path):
     """The engine hands q as a view of the fused QKV projection's output (rows further apart than
     one row of heads): the same result as contiguous queries."""
-    q, k_cache, v_cache, ids = sequence(200, 9, 3, 64, 16, torch.bfloat16)
-    qkv = torch.cat((q, torch.randn(200, 6, 64).bfloat16()), dim=1)
+    q, k_cache, v_cache, ids = sequence(200, 9, 3, 64, 16, dtype)
+    qkv = torch.cat((q, torch.randn(200, 6, 64).to(dtype)), dim=1)
     strided = qkv[:, :9]
     assert not strided.is_contiguous()
-    assert torch.equal(kernel(strided[150:], k_cache, v_cache, ids, 200, 0.125),
-                       kernel(q[150:].contiguous(), k_cache, v_cache, ids, 200, 0.125))
+    with on_path(path):
+        assert torch.equal(kernel(strided[150:], k_cache, v_cache, ids, 200, 0.125),
+                           kernel(q[150:].contiguous(), k_cache, v_cache, ids, 200, 0.125))
 
 
 def test_no_tokens_and_bad_arguments(kernel):

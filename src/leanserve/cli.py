@@ -35,7 +35,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="attention: cpu-paged, leanserve's CPU kernels for decode rows and prefill chunks, "
                         "reading KV blocks in place (built with the machine's C++ compiler on first use); sdpa, "
                         "keys gathered then SDPA (every other device); auto (default): each kernel where it "
-                        "applies, builds and is the faster (bf16 prefill on CPUs with AMX: sdpa), else sdpa")
+                        "applies and builds, else sdpa")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="ranks that hold one model between them (attention heads, KV heads and MLP columns split; "
                         "on CPU each gets cores / N threads)")

@@ -22,7 +22,7 @@ from ..model import kernels
 from ..model.attention import (AttentionMetadata, DecodeMaskTable, GatherScratch, PagedDecode, bucket,
                                decode_groups)
 from ..model.layer_ops import use_cpu_kernels
-from ..model.prepack import has_amx, packs_for_brgemm, prepack_linears
+from ..model.prepack import packs_for_brgemm, prepack_linears
 from ..model.transformer import Transformer
 from .batch_state import BatchState, blocks_needed
 from .kv_cache import KVCache
@@ -178,28 +178,11 @@ class AttentionKernels:
     write: Callable | None = None  # the step's keys and values into the cache (AttentionMetadata.write_kv)
 
 
-def sdpa_prefills_faster(dtype: torch.dtype) -> bool:
-    """Whether SDPA attends bf16 prefill chunks faster than leanserve's prefill kernel here: on a
-    CPU with AMX, where SDPA's flash kernel computes its tiles in AMX's tile unit (oneDNN's
-    brgemm) and leanserve's kernel, whose products are AVX512 vector instructions, has no AMX
-    path: 1.4-3.0x faster a chunk of the default model, the context's gather included
-    (``bench/results/prefill_on_amx.md``)."""
-    return dtype == torch.bfloat16 and has_amx()
-
-
-def _takes_prefill_kernel(backend: str, dtype: torch.dtype) -> bool:
-    """Whether ``backend`` wants leanserve's prefill kernel for a cache of ``dtype`` (where it
-    applies and builds): cpu-paged always; auto unless SDPA is the faster."""
-    return backend == "cpu-paged" or (backend == "auto" and not sdpa_prefills_faster(dtype))
-
-
 def attention_kernels(backend: str, model: Transformer, kv_cache: KVCache, device: torch.device) -> AttentionKernels:
     """leanserve's CPU attention kernels for this model and cache. ``auto`` takes each kernel
-    where it applies (the CPU, float32 or bfloat16, shapes within its limits), builds and is the
-    faster (decode always; prefill not in bf16 on AMX, :func:`sdpa_prefills_faster`), SDPA
-    elsewhere; ``cpu-paged`` takes both, raising ValueError where either does not apply or build
-    (so its prefill, bitwise the same in any chunking, stays available on AMX too); ``sdpa``
-    takes none."""
+    where it applies (the CPU, float32 or bfloat16, shapes within its limits) and builds, SDPA
+    elsewhere; ``cpu-paged`` takes both, raising ValueError where either does not apply or build;
+    ``sdpa`` takes none."""
     if backend == "sdpa":
         return AttentionKernels()
     cfg, dtype = model.config, kv_cache.tensor.dtype
@@ -211,8 +194,7 @@ def attention_kernels(backend: str, model: Transformer, kv_cache: KVCache, devic
     why_not_prefill = why_not or ("takes heads of a multiple of 16 dimensions, at most 256"
                                   if cfg.head_dim % 16 or cfg.head_dim > 256 else None)
     decode = kernels.paged_decode_attention() if why_not_decode is None else None
-    prefill = (kernels.paged_prefill_attention() if why_not_prefill is None
-               and _takes_prefill_kernel(backend, dtype) else None)
+    prefill = kernels.paged_prefill_attention() if why_not_prefill is None else None
     if backend == "cpu-paged":
         for kernel, why, what in ((decode, why_not_decode, "decode"), (prefill, why_not_prefill, "prefill")):
             if kernel is None:
@@ -238,9 +220,7 @@ class ModelRunner:
         dtype = model.embed_tokens.weight.dtype
         if self.device.type == "cpu" and dtype in kernels.DTYPES:
             # Built side by side, not one after another where each is first asked for.
-            attention = () if attention_backend == "sdpa" else ("paged_decode_attention",)
-            if _takes_prefill_kernel(attention_backend, dtype):
-                attention += ("paged_prefill_attention",)
+            attention = () if attention_backend == "sdpa" else ("paged_decode_attention", "paged_prefill_attention")
             kernels.build_together(("layer_ops",) + attention
                                    + (("brgemm_linear",) if packs_for_brgemm(model, self.device) else ()))
         prepack_linears(model, self.device)  # bf16 on the CPU: weights in the GEMM's layout, once

@@ -11,7 +11,9 @@
 // weighted sum of values is a multiply-add of a value element and a vector of weights. Each
 // key and value row, read once per tile, serves 16 x G query rows. With bf16 caches on CPUs
 // with AVX512-BF16 both products take pairs of bf16 (vdpbf16ps: two multiply-adds in one), as
-// oneDNN's kernels under SDPA do: ~290 GFLOP/s here against ~150 in float32 arithmetic.
+// oneDNN's kernels under SDPA do: ~290 GFLOP/s here against ~150 in float32 arithmetic. On a
+// CPU with AMX, bf16 chunks take a second path (run_amx, below): the same loop over the blocks
+// with its products in AMX's tile unit.
 //
 // Numerics: scores, softmax and sums in float32, the result rounded once to the cache's dtype;
 // the bf16 path multiplies bf16 queries and keys exactly (into float32 sums) and rounds the
@@ -28,6 +30,9 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/Context.h>
+#include <ATen/cpu/Utils.h>
+#include <ATen/native/CPUBlas.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
@@ -39,6 +44,7 @@
 #include <limits>
 #include <type_traits>
 #include <vector>
+#include <memory>
 
 #include "common.h"
 
@@ -364,6 +370,293 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   }
 }
 
+// ---- bf16 on a CPU with AMX: the products in AMX's tiles ------------------------------------
+//
+// The vector kernel above computes its products in AVX-512 instructions. On a CPU with AMX,
+// SDPA's flash kernel computes them in the tile unit (oneDNN's brgemm micro-kernel), and was the
+// faster even with the context gathered out of the cache for it (bench/results/prefill_on_amx.md).
+// This path takes the same micro-kernel (at::native::cpublas::brgemm, as brgemm_linear.cpp does)
+// over the cache as it lies, in FlashAttention's loop (bench/results/prefill_amx_serve.md: one
+// layer of the default model 1.6-2.9x SDPA's, its gather included):
+//
+// - Once a call, the context's keys and values of each KV head are packed for the micro-kernel,
+//   kKeysPerTile keys a tile: keys transposed to [D / 2][keys][2] (pairs of dimensions, the
+//   layout of a GEMM's right-hand side) and values to [keys / 2][D][2] (pairs of keys), zeros
+//   past the context. Every query tile of the chunk reads them.
+// - A work item is kTileTokens tokens and the G query heads that share a KV head: up to 32 G rows
+//   of queries (row i G + g: token i, head g; a multiple of 16, zeros past the chunk's end). Per
+//   key tile: S = Q K^T (rows x keys, float32) in the tile unit; each row scaled, masked past its
+//   token's position, its max and sum updated online, its weights rounded to bf16 (as SDPA's bf16
+//   kernel does); the row's running output rescaled, then O += P V in the tile unit.
+//
+// Chunking invariance, as for the vector kernel: a row's numbers depend only on its query and the
+// keys up to its position, taken in the same fixed tiles from position 0 in the same order (the
+// tile unit computes each element of a product from its own row and column alone, whatever the
+// rows beside it); a tile past a row's position (it is in the item for the item's later rows)
+// adds weights of exactly 0 and rescales by exactly 1. Tested, with the vector path, in
+// tests/test_prefill_kernel.py; oneDNN turned off (torch.backends.mkldnn) takes the vector path.
+#if defined(__AVX512BF16__)
+
+constexpr int64_t kTileTokens = 32;   // tokens of a work item
+// Keys of a softmax tile (one max for them all) and of the two micro-kernel calls over it, fewer
+// where the tile passes the item's last position (rounded up to kKeyStep). A call costs ~1 us
+// of set-up whatever its size: at 64 keys that was as much time as its products.
+constexpr int64_t kKeysPerTile = 256;
+constexpr int64_t kKeyStep = 32;
+
+// 2^y for y <= 0: y = k + f with k an integer and |f| <= 1/2, 2^f by its degree-5 Taylor
+// polynomial (relative error below 2e-6, far inside the bf16 rounding of a weight), times 2^k by
+// vscalefps. At y <= -126 (-inf, a masked score, included) exactly 0, and never a result below
+// float32's normal range: an Intel core computes one of those in a microcode assist, ~100 cycles
+// an instruction (a 32-token chunk's diagonal tile, half of it masked, ran 3x slower).
+inline __m512 exp2_nonpositive(__m512 y) {
+  const __m512 floor = _mm512_set1_ps(-126.f);
+  y = _mm512_max_ps(y, floor);
+  const __mmask16 normal = _mm512_cmp_ps_mask(y, floor, _CMP_GT_OQ);
+  const __m512 k = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(y, k);
+  __m512 p = _mm512_set1_ps(1.33335581e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.61812911e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.55041087e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.40226507e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.93147181e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_maskz_scalef_ps(normal, p, k);
+}
+
+// Whether the CPU has AMX's tile unit and the bf16 products for it (asked of cpuinfo once).
+bool has_amx() {
+  static const bool amx = [] {
+    const auto caps = at::cpu::get_cpu_capabilities();
+    const auto tile = caps.find("amx_tile"), bf16 = caps.find("amx_bf16");
+    return tile != caps.end() && bf16 != caps.end() && tile->second.toBool() && bf16->second.toBool();
+  }();
+  return amx;
+}
+
+// rows[i] = column i of the 16 x 16 matrix of 32-bit elements the 16 registers held as rows.
+inline void transpose16(__m512i rows[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(rows[i], rows[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(rows[i], rows[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    rows[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    rows[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    rows[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    rows[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  // Each 128-bit lane now holds a 4 x 4 sub-block; gather the lanes into rows.
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_i32x4(rows[i], rows[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_i32x4(rows[i], rows[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_i32x4(rows[i + 8], rows[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_i32x4(rows[i + 8], rows[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 4; ++i) {
+    rows[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    rows[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    rows[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+    rows[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
+  }
+}
+
+// Packs keys and values [k0, k0 + count) of KV head h (count <= kKeysPerTile; the rest of the tile
+// zeros) for the micro-kernel: keys to kp [D / 2][kKeysPerTile][2] (16 keys x 16 pairs of
+// dimensions at a time, a transpose of 32-bit elements in registers), values to vp
+// [kKeysPerTile / 2][D][2] (two keys' rows interleaved, 32 dimensions at a time).
+void pack_key_tile(const c10::BFloat16* k_cache, const c10::BFloat16* v_cache, const int64_t* block_ids,
+                   int64_t block_size, int64_t block_stride, int64_t head_offset, int64_t D, int64_t k0,
+                   int64_t count, uint32_t* kp, uint16_t* vp) {
+  const int64_t pairs = D / 2;
+  const c10::BFloat16* krow[kKeysPerTile];
+  const c10::BFloat16* vrow[kKeysPerTile];
+  // Row addresses block by block (one division a tile: a 64-bit one takes tens of cycles).
+  for (int64_t t = 0, block = k0 / block_size, first = k0 % block_size; t < count; ++block, first = 0) {
+    const int64_t start = block_ids[block] * block_stride + head_offset;
+    for (int64_t i = first; i < block_size && t < count; ++i, ++t) {
+      krow[t] = k_cache + start + i * D;
+      vrow[t] = v_cache + start + i * D;
+    }
+  }
+  for (int64_t t0 = 0; t0 < kKeysPerTile; t0 += 16) {
+    for (int64_t p0 = 0; p0 < pairs; p0 += 16) {
+      const int64_t width = std::min<int64_t>(16, pairs - p0);
+      const __mmask16 lanes = __mmask16((1u << width) - 1);
+      __m512i rows[16];
+      for (int i = 0; i < 16; ++i)
+        rows[i] = t0 + i < count ? _mm512_maskz_loadu_epi32(lanes, krow[t0 + i] + 2 * p0) : _mm512_setzero_si512();
+      transpose16(rows);
+      for (int64_t p = 0; p < width; ++p) _mm512_storeu_si512(kp + (p0 + p) * kKeysPerTile + t0, rows[p]);
+    }
+  }
+  // Element 2i of the result from a's i, element 2i + 1 from b's i (permutex2var's index 32 + i).
+  alignas(64) int16_t order[2][32];
+  for (int i = 0; i < 16; ++i)
+    for (int half = 0; half < 2; ++half) {
+      order[half][2 * i] = int16_t(16 * half + i);
+      order[half][2 * i + 1] = int16_t(32 + 16 * half + i);
+    }
+  const __m512i lo_order = _mm512_load_si512(order[0]), hi_order = _mm512_load_si512(order[1]);
+  for (int64_t t = 0; t < kKeysPerTile; t += 2) {
+    uint16_t* out = vp + t / 2 * D * 2;
+    for (int64_t d0 = 0; d0 < D; d0 += 32) {
+      const int64_t width = std::min<int64_t>(32, D - d0);
+      const __mmask32 lanes = __mmask32((uint64_t(1) << width) - 1);
+      const __m512i a = t < count ? _mm512_maskz_loadu_epi16(lanes, vrow[t] + d0) : _mm512_setzero_si512();
+      const __m512i b = t + 1 < count ? _mm512_maskz_loadu_epi16(lanes, vrow[t + 1] + d0) : _mm512_setzero_si512();
+      const int64_t lo = std::min<int64_t>(width, 16), hi = width - lo;
+      _mm512_mask_storeu_epi16(out + 2 * d0, __mmask32((uint64_t(1) << (2 * lo)) - 1),
+                               _mm512_permutex2var_epi16(a, lo_order, b));
+      if (hi > 0)
+        _mm512_mask_storeu_epi16(out + 2 * d0 + 32, __mmask32((uint64_t(1) << (2 * hi)) - 1),
+                                 _mm512_permutex2var_epi16(a, hi_order, b));
+    }
+  }
+}
+
+void run_amx(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_ids,
+             int64_t context_len, double scale, at::Tensor& out) {
+  using T = c10::BFloat16;
+  const int64_t n = q.size(0), H = q.size(1), D = q.size(2), q_stride = q.stride(0), out_stride = out.stride(0);
+  const int64_t KVH = k_cache.size(1), block_size = k_cache.size(2), G = H / KVH, M = kTileTokens * G;
+  const int64_t head_stride = block_size * D, block_stride = KVH * head_stride;
+  const int64_t first_pos = context_len - n;
+  const int64_t key_tiles = (context_len + kKeysPerTile - 1) / kKeysPerTile;
+  const int64_t tile_elems = kKeysPerTile * D;  // bf16 elements of a packed tile, keys or values
+  const T* qp = q.data_ptr<T>();
+  const T* kc = k_cache.data_ptr<T>();
+  const T* vc = v_cache.data_ptr<T>();
+  const int64_t* ids = block_ids.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+  const int threads = at::get_num_threads();
+
+  // [KVH][key_tiles] packed tiles of keys, then of values
+  const std::unique_ptr<uint16_t[]> packed(new uint16_t[2 * KVH * key_tiles * tile_elems]);  // each element written below
+  uint16_t* keys = packed.get();
+  uint16_t* values = keys + KVH * key_tiles * tile_elems;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t item = 0; item < KVH * key_tiles; ++item) {
+    const int64_t h = item / key_tiles, j = item % key_tiles;
+    pack_key_tile(kc, vc, ids, block_size, block_stride, h * head_stride, D, j * kKeysPerTile,
+                  std::min(kKeysPerTile, context_len - j * kKeysPerTile),
+                  reinterpret_cast<uint32_t*>(keys + item * tile_elems), values + item * tile_elems);
+  }
+
+  const int64_t q_tiles = (n + kTileTokens - 1) / kTileTokens;
+  // Scores are kept as base-2 logarithms, s * scale * log2(e), so a weight is 2^(x - max): one
+  // multiply fewer a score than e^(scale (s - max)).
+  const __m512 log2_scale = _mm512_set1_ps(float(scale) * 1.44269504088896341f);
+  // A thread's scratch, float32 unless said: queries [M][D] bf16, scores [M][keys], weights
+  // [M][keys] bf16, output sums [M][D], per row its running max, its sum of weights as 16 partial
+  // sums (added across lanes once, at the end), this tile's max and rescale of what came before.
+  const int64_t floats = M * kKeysPerTile + M * D + M * 16 + 3 * M;
+  const int64_t scratch_bytes = M * D * 2 + M * kKeysPerTile * 2 + floats * 4;
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<uint8_t> scratch(scratch_bytes + 64);
+    auto* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t(63));
+    auto* s = reinterpret_cast<float*>(base);
+    float* o = s + M * kKeysPerTile;
+    float* partial_sums = o + M * D;
+    float* row_max = partial_sums + M * 16;
+    float* tile_max = row_max + M;
+    float* rescale = tile_max + M;
+    auto* qt = reinterpret_cast<T*>(rescale + M);
+    T* w = qt + M * D;
+    std::vector<int32_t> row_pos(M);
+    const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+
+    // Items (query tile, KV head), the last tiles (the most keys) first.
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < q_tiles * KVH; ++item) {
+      const int64_t tile_index = q_tiles - 1 - item / KVH, h = item % KVH;
+      const int64_t t0 = tile_index * kTileTokens, valid = std::min(kTileTokens, n - t0);
+      const int64_t pos0 = first_pos + t0, last = pos0 + valid - 1;  // positions of the item's tokens
+      const int64_t rows = std::min(M, (valid * G + 15) / 16 * 16);  // the item's rows, a multiple of 16
+      for (int64_t i = 0; i < rows / G + 1 && i < kTileTokens; ++i) {
+        T* row = qt + i * G * D;
+        if (i < valid)
+          std::memcpy(row, qp + (t0 + i) * q_stride + h * G * D, G * D * sizeof(T));
+        else
+          std::memset(row, 0, G * D * sizeof(T));
+      }
+      for (int64_t i = 0, r = 0; r < rows; ++i)  // each row's token's position
+        for (int64_t g = 0; g < G && r < rows; ++g, ++r) row_pos[r] = int32_t(pos0 + i);
+      std::fill(o, o + rows * D, 0.f);
+      std::fill(partial_sums, partial_sums + rows * 16, 0.f);
+      std::fill(row_max, row_max + rows, -std::numeric_limits<float>::infinity());
+
+      for (int64_t j = 0; j * kKeysPerTile <= last; ++j) {
+        const int64_t k0 = j * kKeysPerTile;
+        const int64_t keys_now = std::min(kKeysPerTile, (last + 1 - k0 + kKeyStep - 1) / kKeyStep * kKeyStep);
+        const int vectors = int(keys_now / 16);
+        const uint16_t* kt = keys + (h * key_tiles + j) * tile_elems;
+        const uint16_t* vt = values + (h * key_tiles + j) * tile_elems;
+        at::native::cpublas::brgemm(rows, keys_now, D, D, kKeysPerTile, kKeysPerTile, false, qt,
+                                    reinterpret_cast<const T*>(kt), s, true);
+        // Scaled, masked past each row's position (where some row's position is inside the tile),
+        // and each row's max.
+        const bool masked = k0 + keys_now - 1 > pos0;
+        for (int64_t r = 0; r < rows; ++r) {
+          float* sr = s + r * kKeysPerTile;
+          __m512 top = minus_inf;
+          const __m512i pos = _mm512_set1_epi32(row_pos[r]);
+          for (int c = 0; c < vectors; ++c) {
+            __m512 x = _mm512_mul_ps(_mm512_loadu_ps(sr + 16 * c), log2_scale);
+            if (masked) {
+              const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(int32_t(k0 + 16 * c)));
+              x = _mm512_mask_blend_ps(_mm512_cmpgt_epi32_mask(key, pos), x, minus_inf);
+            }
+            _mm512_storeu_ps(sr + 16 * c, x);
+            top = _mm512_max_ps(top, x);
+          }
+          tile_max[r] = _mm512_reduce_max_ps(top);
+        }
+        // The new maxima, and the factors that rescale what the rows summed so far, 16 rows at a
+        // time (M is 32 G rows).
+        for (int64_t r = 0; r < rows; r += 16) {
+          const __m512 old_max = _mm512_loadu_ps(row_max + r);
+          const __m512 new_max = _mm512_max_ps(old_max, _mm512_loadu_ps(tile_max + r));
+          _mm512_storeu_ps(rescale + r, exp2_nonpositive(_mm512_sub_ps(old_max, new_max)));
+          _mm512_storeu_ps(row_max + r, new_max);
+        }
+        // Weights, rounded to bf16 for the product with the values; each row's sums rescaled.
+        for (int64_t r = 0; r < rows; ++r) {
+          const float* sr = s + r * kKeysPerTile;
+          const __m512 m = _mm512_set1_ps(row_max[r]), factor = _mm512_set1_ps(rescale[r]);
+          __m512 total = _mm512_mul_ps(_mm512_loadu_ps(partial_sums + 16 * r), factor);
+          for (int c = 0; c < vectors; c += 2) {
+            const __m512 p0 = exp2_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(sr + 16 * c), m));
+            const __m512 p1 = exp2_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(sr + 16 * c + 16), m));
+            total = _mm512_add_ps(_mm512_add_ps(total, p0), p1);
+            _mm512_storeu_si512(w + r * kKeysPerTile + 16 * c, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+          }
+          _mm512_storeu_ps(partial_sums + 16 * r, total);
+          if (rescale[r] != 1.f) {
+            float* orow = o + r * D;
+            for (int64_t d = 0; d < D; d += 16)
+              _mm512_storeu_ps(orow + d, _mm512_mul_ps(_mm512_loadu_ps(orow + d), factor));
+          }
+        }
+        at::native::cpublas::brgemm(rows, D, keys_now, kKeysPerTile, D, D, true, w,
+                                    reinterpret_cast<const T*>(vt), o, true);
+      }
+      for (int64_t i = 0; i < valid; ++i)
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t r = i * G + g;
+          const float inv = 1.f / _mm512_reduce_add_ps(_mm512_loadu_ps(partial_sums + 16 * r));
+          T* dst = op + (t0 + i) * out_stride + (h * G + g) * D;
+          for (int64_t d = 0; d < D; ++d) dst[d] = narrow<T>(o[r * D + d] * inv);
+        }
+    }
+    at::native::cpublas::brgemm_release(true);
+  }
+}
+#endif
+
 at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                    const at::Tensor& block_ids, int64_t context_len, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
@@ -389,6 +682,12 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
                 " is not one of the cache's ", num_blocks, " blocks");
   at::Tensor out = at::empty({n, H, D}, q.options());
   if (n == 0) return out;
+#if defined(__AVX512BF16__)
+  if (q.scalar_type() == at::kBFloat16 && has_amx() && at::globalContext().userEnabledMkldnn()) {
+    run_amx(q, k_cache, v_cache, block_ids, context_len, scale, out);
+    return out;
+  }
+#endif
   int group = kMaxGroup;  // query heads a work item takes: the largest divisor of H / KVH up to kMaxGroup
   while ((H / KVH) % group) --group;
   for_dtype(q.scalar_type(), "paged_prefill_attention", [&](auto tag) {
