@@ -555,8 +555,9 @@ void run_amx(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
   const int64_t scratch_bytes = M * D * 2 + M * kKeysPerTile * 2 + floats * 4;
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<uint8_t> scratch(scratch_bytes + 64);
-    auto* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t(63));
+    // Not zeroed: each item writes every part before it reads it.
+    const std::unique_ptr<uint8_t[]> scratch(new uint8_t[scratch_bytes + 64]);
+    auto* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(scratch.get()) + 63) & ~uintptr_t(63));
     auto* s = reinterpret_cast<float*>(base);
     float* o = s + M * kKeysPerTile;
     float* partial_sums = o + M * D;
@@ -576,7 +577,7 @@ void run_amx(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
       const int64_t t0 = tile_index * kTileTokens, valid = std::min(kTileTokens, n - t0);
       const int64_t pos0 = first_pos + t0, last = pos0 + valid - 1;  // positions of the item's tokens
       const int64_t rows = std::min(M, (valid * G + 15) / 16 * 16);  // the item's rows, a multiple of 16
-      for (int64_t i = 0; i < rows / G + 1 && i < kTileTokens; ++i) {
+      for (int64_t i = 0; i < (rows + G - 1) / G; ++i) {  // the tokens those rows belong to
         T* row = qt + i * G * D;
         if (i < valid)
           std::memcpy(row, qp + (t0 + i) * q_stride + h * G * D, G * D * sizeof(T));
@@ -616,7 +617,7 @@ void run_amx(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
           tile_max[r] = _mm512_reduce_max_ps(top);
         }
         // The new maxima, and the factors that rescale what the rows summed so far, 16 rows at a
-        // time (M is 32 G rows).
+        // time (rows is a multiple of 16).
         for (int64_t r = 0; r < rows; r += 16) {
           const __m512 old_max = _mm512_loadu_ps(row_max + r);
           const __m512 new_max = _mm512_max_ps(old_max, _mm512_loadu_ps(tile_max + r));
