@@ -14,6 +14,7 @@ model's own:
     fraction of the forward-only rate of the same iterations.
 
     python bench/model_bench.py                 # all variants, writes bench/results/model.{json,md}
+    python bench/model_bench.py --results bench/results/xeon   # ... into another folder (another machine)
     python bench/model_bench.py --dtype float32 # one dtype, JSON to stdout
     python bench/model_bench.py --agreement     # greedy tokens of bf16 vs int4 weights, JSON to stdout
 """
@@ -306,6 +307,7 @@ def main() -> None:
     ap.add_argument("--dtype", choices=VARIANTS)
     ap.add_argument("--agreement", action="store_true",
                     help="only compare the greedy tokens of bf16 and int4 weights; JSON to stdout")
+    ap.add_argument("--results", default=os.path.join(HERE, "results"), help="where model.{json,md} go")
     a = ap.parse_args()
     if a.dtype:
         print(json.dumps(run_one(a.dtype)))
@@ -317,12 +319,15 @@ def main() -> None:
     for dtype in VARIANTS:
         out = subprocess.run([sys.executable, __file__, "--dtype", dtype], capture_output=True, text=True, check=True)
         results.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    with open(os.path.join(HERE, "results", "model.json"), "w") as f:
+    os.makedirs(a.results, exist_ok=True)
+    with open(os.path.join(a.results, "model.json"), "w") as f:
         json.dump(results, f, indent=1)
     md = markdown(results)
-    with open(os.path.join(HERE, "results", "model.md"), "w") as f:
-        f.write("# Model benchmark\n\nCommand: `.venv/bin/python bench/model_bench.py`\n\n" + md)
+    command = ".venv/bin/python bench/model_bench.py"
+    if os.path.abspath(a.results) != os.path.join(HERE, "results"):
+        command += f" --results {os.path.relpath(a.results, os.path.dirname(HERE))}"
+    with open(os.path.join(a.results, "model.md"), "w") as f:
+        f.write(f"# Model benchmark\n\nCommand: `{command}`\n\n" + md)
     print(md)
 
 
