@@ -323,9 +323,7 @@ def main() -> None:
     with open(os.path.join(a.results, "model.json"), "w") as f:
         json.dump(results, f, indent=1)
     md = markdown(results)
-    command = ".venv/bin/python bench/model_bench.py"
-    if os.path.abspath(a.results) != os.path.join(HERE, "results"):
-        command += f" --results {os.path.relpath(a.results, os.path.dirname(HERE))}"
+    command = f".venv/bin/python bench/model_bench.py {' '.join(sys.argv[1:])}".rstrip()
     with open(os.path.join(a.results, "model.md"), "w") as f:
         f.write(f"# Model benchmark\n\nCommand: `{command}`\n\n" + md)
     print(md)
