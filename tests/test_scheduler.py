@@ -16,16 +16,19 @@ from typing import NamedTuple
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from leanserve.cli import _engine_config, build_parser
 from leanserve.engine.batch_state import BatchState
-from leanserve.engine.config import CPU_BLOCK_SIZE, CPU_PREFILL_CHUNK, EngineConfig, default_max_num_batched_tokens
+from leanserve.engine.config import (AMX_PREFILL_CHUNK, CPU_BLOCK_SIZE, CPU_PREFILL_CHUNK, EngineConfig,
+                                     default_max_num_batched_tokens, runs_linear_layers_on_amx)
 from leanserve.engine.kv_cache import BlockPool
 from leanserve.engine.params import SamplingParams
 from leanserve.engine.request import FinishReason, Request, Status
 from leanserve.engine.scheduler import ScheduledBatch, Scheduler
+from leanserve.model.prepack import has_amx
 
 BS = 4  # tokens per KV block
 MAX_MODEL_LEN = 64
@@ -137,13 +140,27 @@ def test_chunked_prefill_splits_a_long_prompt_by_the_budget_while_decodes_contin
 def test_default_budget_is_per_device_and_the_flag_overrides_it():
     parse = build_parser().parse_args
     assert default_max_num_batched_tokens("cpu", 64) == 64 + CPU_PREFILL_CHUNK == 192
-    assert _engine_config(parse(["serve"])).max_num_batched_tokens == 192
-    assert _engine_config(parse(["serve", "--max-num-seqs", "128"])).max_num_batched_tokens == 128 + CPU_PREFILL_CHUNK
+    assert default_max_num_batched_tokens("cpu", 64, amx_linear_layers=True) == 64 + AMX_PREFILL_CHUNK
+    chunk = AMX_PREFILL_CHUNK if runs_linear_layers_on_amx("cpu", "auto", "none") else CPU_PREFILL_CHUNK
+    assert _engine_config(parse(["serve"])).max_num_batched_tokens == 64 + chunk
+    assert _engine_config(parse(["serve", "--max-num-seqs", "128"])).max_num_batched_tokens == 128 + chunk
+    # GEMMs without AMX's tiles keep the smaller chunk on every CPU
+    assert _engine_config(parse(["serve", "--dtype", "float32"])).max_num_batched_tokens == 192
+    assert _engine_config(parse(["serve", "--quantization", "int8"])).max_num_batched_tokens == 192
     assert _engine_config(parse(["serve", "--device", "cuda"])).max_num_batched_tokens == 2048
     assert _engine_config(parse(["serve", "--device", "cuda:1", "--max-num-seqs", "4096"])).max_num_batched_tokens \
         == 4096
     assert _engine_config(parse(["serve", "--max-num-batched-tokens", "2048"])).max_num_batched_tokens == 2048
     assert EngineConfig(max_num_batched_tokens=8).max_num_batched_tokens == 8
+
+
+def test_the_larger_cpu_chunk_is_for_bf16_linear_layers_on_amx():
+    amx = has_amx()  # this machine's: the other branch is covered on the other kind of CPU
+    assert runs_linear_layers_on_amx("cpu", "auto", "none") == amx
+    assert runs_linear_layers_on_amx("cpu", torch.bfloat16, "none") == amx
+    for dtype, quantization in [("float32", "none"), ("auto", "int8"), ("bfloat16", "gguf")]:
+        assert not runs_linear_layers_on_amx("cpu", dtype, quantization)
+    assert not runs_linear_layers_on_amx("cuda", "auto", "none")
 
 
 def test_default_block_size_is_per_device_and_the_flag_overrides_it():
@@ -158,7 +175,7 @@ def test_default_block_size_is_per_device_and_the_flag_overrides_it():
 
 @pytest.mark.parametrize("max_num_seqs", [4, 64])
 def test_cpu_default_budget_decodes_every_row_beside_a_full_chunk(max_num_seqs):
-    """A long prompt arriving beside a full batch is chunked by CPU_PREFILL_CHUNK (plus the one
+    """A long prompt arriving beside a full batch is chunked by the default chunk (plus the one
     row its own slot leaves), and no decode row waits a step for it."""
     budget = EngineConfig(max_num_seqs=max_num_seqs).max_num_batched_tokens
     batch = BatchState(max_num_seqs, 2048, BS)
@@ -167,7 +184,7 @@ def test_cpu_default_budget_decodes_every_row_beside_a_full_chunk(max_num_seqs):
     for req in decoders:
         sched.add(req)
     assert step(sched).prefill == [(r.request_id, 0, 3) for r in decoders]
-    chunk = CPU_PREFILL_CHUNK + 1
+    chunk = budget - max_num_seqs + 1
     prompt_len = 3 * chunk + 100
     sched.add(make_request(999, prompt_len))
     plans = [step(sched) for _ in range(4)]

@@ -12,6 +12,7 @@ import torch
 from ..model.config import ModelConfig
 from ..model.loader import ModelSpec, read_model_config
 from ..model.parallel import check_tensor_parallel
+from ..model.prepack import has_amx
 from .batch_state import blocks_needed
 from .kv_cache import KVCache
 from .kv_transfer.config import KVTransferConfig
@@ -27,16 +28,23 @@ BACKEND_FLAG = "distributed_executor_backend (--distributed-executor-backend)"
 
 # The prefill chunk a CPU step carries beside its decode rows when --max-num-batched-tokens is not
 # given. A CPU step's time grows with its tokens, so a chunk holds every decode row beside it for
-# as long as it takes, while a chunk's own rate stops growing early: on the 2-core Xeon with AMX
-# (bench/results/chunk_budget.md) at ~450 tokens, within 7 % of that from 192; on the 2-core AMD
-# EPYC without AMX (chunk_budget_epyc.md) already at 192 (a 128-token chunk ~9 % below). 128 is
-# the largest chunk that keeps a 64-row decode step's inter-token latency p99 within 3x its p50
-# with a margin on the host without AMX, served at concurrency 64 with decode attention in
-# leanserve's kernel: 2.34 at 128-token prompts, 2.12 at 1,024 (a 256-token chunk, the previous
-# default budget 320, gave 3.78 and 2.15; 192 gave 2.94), for output tok/s within the runs' noise
-# (rounds of one budget differed by up to 12 %) and a first token later at p50 (1.6 -> 2.2 s at
-# 128-token prompts, 49 -> 53 s at 1,024).
+# as long as it takes, while a chunk's own rate stops growing at some size, which depends on the
+# GEMMs: the largest chunk is chosen that keeps a 64-row decode step's inter-token latency p99
+# within 3x its p50 served at concurrency 64 (128 prompts of 128 and of 1,024 tokens) with a
+# margin, and buys output tok/s.
+# - Without AMX (the 2-core AMD EPYC, AVX512-BF16: chunk_budget_epyc.md) a chunk's rate is level
+#   from 192 tokens (a 128-token chunk ~9 % below), and 128 keeps the ratio at 2.34 at 128-token
+#   prompts, 2.12 at 1,024 (a 256-token chunk gave 3.78 and 2.15, 192 gave 2.94), for output tok/s
+#   within the runs' noise and a first token later at p50 (1.6 -> 2.2 s, 49 -> 53 s).
+# - Where bf16 linear layers run in AMX's tiles (the 2-core Xeon: xeon/chunk_budget.md), GEMMs
+#   at 192 rows run at ~1.45 TFLOP/s and at 512 at ~1.7 (the weights' read from memory, ~5 ms a
+#   step, is spread over more rows), and a larger chunk pays served (2 interleaved rounds): a
+#   320-token chunk 1.08-1.12x output tok/s of a 128-token one (128-token prompts 775 -> 791-837,
+#   1,024-token 194-198 -> 215-221) at a ratio of 2.50 and 1.48; a 448-token chunk buys no more
+#   (828, 223) at 2.85 at 128-token prompts, a 704-token one 3.8. The decode rows pay for it at
+#   1,024-token prompts (ITL p50 100 -> 176 ms), the prompts gain (TTFT p50 27.5 -> 13.1 s).
 CPU_PREFILL_CHUNK = 128
+AMX_PREFILL_CHUNK = 320
 # A GPU step costs about the same up to thousands of tokens: vLLM's API-server default there.
 ACCELERATOR_BATCHED_TOKENS = 2048
 
@@ -61,13 +69,21 @@ def default_block_size(device: str) -> int:
     return CPU_BLOCK_SIZE if device.startswith("cpu") else ACCELERATOR_BLOCK_SIZE
 
 
-def default_max_num_batched_tokens(device: str, max_num_seqs: int) -> int:
+def default_max_num_batched_tokens(device: str, max_num_seqs: int, amx_linear_layers: bool = False) -> int:
     """The token budget of a step unless set: on a CPU every running request's decode row plus
-    one chunk (192 at the default 64 sequences), so neither starves the other; elsewhere 2048,
+    one chunk (CPU_PREFILL_CHUNK, or AMX_PREFILL_CHUNK where the linear layers run in AMX's
+    tiles: 192 or 384 at the default 64 sequences), so neither starves the other; elsewhere 2048,
     or ``max_num_seqs`` where that is more."""
     if device.startswith("cpu"):
-        return max_num_seqs + CPU_PREFILL_CHUNK
+        return max_num_seqs + (AMX_PREFILL_CHUNK if amx_linear_layers else CPU_PREFILL_CHUNK)
     return max(ACCELERATOR_BATCHED_TOKENS, max_num_seqs)
+
+
+def runs_linear_layers_on_amx(device: str, dtype: str, quantization: str) -> bool:
+    """Whether a step's linear layers will run in AMX's tiles: bf16 weights (int8 and int4 have
+    kernels of their own, without AMX) on a CPU whose AMX torch's oneDNN may use."""
+    bf16 = dtype in ("auto", "bfloat16", "bf16", torch.bfloat16)  # auto is bf16 on every CPU with AMX
+    return device.startswith("cpu") and quantization == "none" and bf16 and has_amx()
 
 
 @dataclass
@@ -100,7 +116,8 @@ class EngineConfig:
         if self.block_size is None:
             self.block_size = default_block_size(self.device)
         if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = default_max_num_batched_tokens(self.device, self.max_num_seqs)
+            self.max_num_batched_tokens = default_max_num_batched_tokens(
+                self.device, self.max_num_seqs, runs_linear_layers_on_amx(self.device, self.dtype, self.quantization))
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_new_requests_per_step"):
