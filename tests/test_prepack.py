@@ -82,9 +82,11 @@ def magnitudes(x: torch.Tensor, lin: nn.Linear) -> torch.Tensor:
 
 @pytest.mark.skipif(not BRGEMM, reason="the brgemm layout is packed on CPUs with AVX512-BF16 only")
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 2, 3, 16, 17, 64, 300, 600, 700, 1900])
+@pytest.mark.parametrize("rows", [1, 2, 3, 16, 17, 32, 33, 64, 300, 600, 700, 1900])
 def test_brgemm_products_are_f_linear_to_within_a_rounding(rows, bias):
-    """kernels/brgemm_linear.cpp: one row in its own loop, more in oneDNN's brgemm micro-kernel (17: 16
+    """kernels/brgemm_linear.cpp: one row in its own loop, more in AMX's tiles where the CPU has them
+    (bands of 32 rows, the last padded: 2, 3, 17, 33, 300's last 12, 600's 24; inputs in chunks of
+    256: 576 is 256, 256 and 64), else and for 70 features in oneDNN's brgemm micro-kernel (17: 16
     rows and a remainder; 600: 256, 256, 80 and 8 rows), against float64 and F.linear; inputs past
     L2's 2 MB taken in groups of 256-row chunks (700 rows of 1,536 features: a chunk a group; 1,900
     of 576: three chunks a group, the last group two). The shapes: the default model's
@@ -232,14 +234,27 @@ def test_block_layouts_pad_the_last_block_and_refuse_what_fp16_cannot_hold():
 @pytest.mark.skipif(not BRGEMM, reason="the brgemm layout is packed on CPUs with AVX512-BF16 only")
 def test_with_onednn_disabled_weights_are_packed_for_it_and_the_kernel_says_why_not(monkeypatch):
     """torch.backends.mkldnn.enabled = False turns off oneDNN's micro-kernel too (torch's CPUBlas
-    asks it): the runner then keeps oneDNN's packing, and the op refuses more than one row."""
+    asks it): the runner then keeps oneDNN's packing, and the op refuses more than one row where
+    it needs that micro-kernel (inputs not a multiple of 32, or no AMX); on a CPU with AMX its own
+    tile loop computes 32 inputs at a time without oneDNN, the same bits as with it on."""
+    torch.manual_seed(0)
+    narrow = BrgemmLinear(nn.Linear(62, 40, dtype=torch.bfloat16), kernels.brgemm_linear())
     layer = BrgemmLinear(nn.Linear(64, 40, dtype=torch.bfloat16), kernels.brgemm_linear())
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        want = layer(x)
     monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)
     model = nn.Sequential(nn.Linear(64, 96, dtype=torch.bfloat16))
     assert prepack_linears(model, CPU) == 1 and type(model[0]) is PackedLinear
-    layer(torch.randn(1, 64, dtype=torch.bfloat16))
-    with pytest.raises(RuntimeError, match="torch.backends.mkldnn is disabled"):
-        layer(torch.randn(2, 64, dtype=torch.bfloat16))
+    with torch.inference_mode():
+        layer(x[:1])
+        with pytest.raises(RuntimeError, match="torch.backends.mkldnn is disabled"):
+            narrow(x[:, :62])
+        if torch.cpu._is_amx_tile_supported():
+            assert torch.equal(layer(x), want)
+        else:
+            with pytest.raises(RuntimeError, match="torch.backends.mkldnn is disabled"):
+                layer(x)
 
 
 @pytest.mark.parametrize("arch,tied", [("llama", True), ("qwen2", False)])  # qwen2: q/k/v biases

@@ -22,9 +22,10 @@ ms), 1.7-1.8x at 8 rows, 1.22-1.41x at 64, ~1.05-1.1x at 512-2,048. On a 2-core 
 On a CPU with AVX512-BF16 (every one with AMX has it) the weights are packed instead in the
 layout of oneDNN's brgemm micro-kernel, one that is not opaque (:class:`BrgemmLinear`,
 ``kernels/brgemm_linear.cpp``): one row, a batch-1 decode step, runs in leanserve's own loop, a
-prefetched stream over the weights, and more rows in that micro-kernel
-(``at::native::cpublas::brgemm``, in AMX's tiles where the CPU has them, else in AVX512-BF16
-instructions). The default model's 121 GEMMs of a step, in a step's order, on a 2-core Xeon with
+prefetched stream over the weights, and more rows on a CPU with AMX in its own loop over AMX's
+tiles (32 rows x 32 features at a time, in chunks of 256 inputs: 1.07-1.18x the micro-kernel at
+64-512 rows, the same bits), else in that micro-kernel (``at::native::cpublas::brgemm``, in
+AVX512-BF16 instructions). The default model's 121 GEMMs of a step, in a step's order, on a 2-core Xeon with
 AMX: 1.48x oneDNN's matmul at one row (its weights streamed at ~18 GB/s, the loop's at 26, a
 plain read of the same bytes at 27), 1.27-1.30x at 2-64 rows (the micro-kernel without the
 matmul's per-call work), 1.12x at 192, 0.97x at 512. Served at concurrency 1 (128-token
@@ -95,7 +96,7 @@ class BrgemmLinear(nn.Module):
     """``nn.Linear``'s product on a CPU with AVX512-BF16, its weight packed once for oneDNN's
     brgemm micro-kernel: ``[N / 32, K / 2, 32, 2]``, pairs of input features interleaved in blocks of 32
     output features, the last block padded with zeros. ``kernels/brgemm_linear.cpp`` computes one row
-    with its own prefetched loop and more with the micro-kernel, both over this one copy; given
+    with its own prefetched loop and more in AMX's tiles or the micro-kernel, all over this one copy; given
     the weight's GGUF blocks (``gguf_blocks``: :func:`q4_layout`'s or :func:`q8_layout`'s codes
     and scales), one row reads those instead and computes the same bf16 weights from them, bit for
     bit."""
