@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
 DTYPES = (torch.float32, torch.bfloat16)  # what every kernel here takes (common.h's for_dtype)
-HEADERS = ("common.h",)  # included by the sources: part of every build's hash
+HEADERS = ("common.h", "amx.h")  # included by the sources: part of every build's hash
 # -f flags: let the compiler reorder float sums (vectorised reductions) without assuming finite
 # values: attention's running max starts at -inf. Reordering also folds exp_nonpositive's
 # two-part ln 2 into one constant (common.h says what that costs).

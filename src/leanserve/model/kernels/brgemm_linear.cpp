@@ -12,13 +12,16 @@
 //   where this loop reads them at 26, a plain read of the same bytes at 27 (the default model's
 //   121 GEMMs of a step: 14.6 -> 10.5 ms; 13.0 without the prefetch).
 // - two rows and more, on a CPU with AMX, go to this file's own loop over AMX's tiles (amx_rows
-//   below): 32 rows x 32 features at a time, in four accumulator tiles, over chunks of 256 inputs,
-//   so a block's chunk of weights stays in L1 while the rows pass under it. It replaced oneDNN's
-//   micro-kernel there (1.07-1.18x at 64-512 rows: the default model's 120 GEMMs of a step,
-//   weights from memory, 1.42-1.51 -> 1.67-1.78 TFLOP/s at 192-384 rows, the same bits): the
-//   micro-kernel's call costs ~1 us of set-up, a 32-feature block of a 320-row chunk two calls,
-//   and it walks all of K for each 32 rows, so the block's weights and the rows' inputs (36 KB
-//   each at 576 features) do not both stay in L1's 48 KB.
+//   below, the tiles' product in amx.h): 32 rows x 32 features at a time, in four accumulator
+//   tiles, over chunks of 256 inputs, so a block's chunk of weights (16 KB) stays in L1 while the
+//   rows pass under it. It replaced oneDNN's micro-kernel there: the default model's 120 GEMMs of
+//   a step, weights from memory, 1.07-1.18x at 64-512 rows (1.42-1.51 -> 1.67-1.78 TFLOP/s at
+//   192-384 rows), the same bits. The micro-kernel walks all of K for each 32 rows, and a block's
+//   weights and the rows' inputs (36 KB each at 576 features) do not both stay in L1's 48 KB: the
+//   same tile loop without the chunks was 1.03-1.10x; chunks of 384 inputs were slower than 256
+//   (1.40-1.75 against 1.49-1.83 TFLOP/s at 192-512 rows), of 288 level. A tile
+//   product alone, its operands in L1, runs at ~3.1 TFLOP/s a core here; with both operands
+//   walking K (72 KB) ~1.5.
 // - elsewhere (AVX512-BF16 without AMX, or inputs not a multiple of 32) they go to oneDNN's
 //   brgemm micro-kernel itself (at::native::cpublas::brgemm, what Inductor's GEMM templates
 //   call), up to 256 rows per call, a 32-feature block at a time. (The loop taking 2-4 rows was
@@ -57,16 +60,15 @@
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
-#include <ATen/cpu/Utils.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
 #include <torch/library.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#include "amx.h"
 
 namespace {
 
@@ -229,77 +231,12 @@ void q4_one_row(const c10::BFloat16* x, const uint8_t* codes, const c10::Half* d
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-// ---- two rows and more on a CPU with AMX: the products in its tiles ----------------------------
+// ---- two rows and more on a CPU with AMX: the products in its tiles (amx.h) ----------------------
 
-constexpr int64_t kBand = 32;          // rows of the four accumulator tiles (two of 16)
-constexpr int64_t kTileInputs = 32;    // inputs of one tile product (16 pairs)
-constexpr int64_t kInputChunk = 256;   // inputs a block's weights are walked in (16 KB of them)
-constexpr int64_t kTaskRows = 256;     // rows of a task (a block's rows are cut into these)
-
-// The tile unit, for this process: Linux hands AMX's 8 KB of tile state to a process that asks
-// for it (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), once; oneDNN asks the same where
-// it uses them first.
-bool amx_ready() {
-  static const bool ready = [] {
-    const auto caps = at::cpu::get_cpu_capabilities();
-    const auto tile = caps.find("amx_tile"), bf16 = caps.find("amx_bf16");
-    return tile != caps.end() && bf16 != caps.end() && tile->second.toBool() && bf16->second.toBool() &&
-           syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  }();
-  return ready;
-}
-
-// Tiles 0-3 the accumulators (rows 16 i .. 16 i + 15 of the band, features 16 j .. 16 j + 15: tile
-// 2 i + j), 4-5 the band's two row tiles of inputs, 6-7 the block's two feature halves of weights;
-// every tile 16 rows of 64 bytes.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t bytes_per_row[16] = {64, 64, 64, 64, 64, 64, 64, 64};
-  uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
-};
-
-// Inputs [k0, k1) of a band's rows a (lda apart) times a block's weights w, into its 32 x 32 float
-// sums c (set where `first`, else added to). A band of at most 16 rows (a call's last) uses half the
-// tiles. The weights' rows of a tile are pairs of inputs, 128 bytes apart: a line of 16 features'
-// pairs from each half of the block's line.
-template <bool kTwoHalves>
-inline void band_products(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* w, int64_t k0, int64_t k1,
-                          float* c, bool first) {
-  constexpr int64_t ldc = kBlock * sizeof(float);  // bytes between rows of the sums
-  if (first) {
-    _tile_zero(0);
-    _tile_zero(1);
-    if (kTwoHalves) {
-      _tile_zero(2);
-      _tile_zero(3);
-    }
-  } else {
-    _tile_loadd(0, c, ldc);
-    _tile_loadd(1, c + 16, ldc);
-    if (kTwoHalves) {
-      _tile_loadd(2, c + 16 * kBlock, ldc);
-      _tile_loadd(3, c + 16 * kBlock + 16, ldc);
-    }
-  }
-  for (int64_t k = k0; k < k1; k += kTileInputs) {
-    _tile_loadd(4, a + k, lda * 2);
-    _tile_loadd(6, w + k * kBlock, kBlock * 4);           // a line of pairs: 32 features x 2 x 2 bytes
-    _tile_loadd(7, w + k * kBlock + 16 * 2, kBlock * 4);  // its second 16 features
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    if (kTwoHalves) {
-      _tile_loadd(5, a + 16 * lda + k, lda * 2);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
-    }
-  }
-  _tile_stored(0, c, ldc);
-  _tile_stored(1, c + 16, ldc);
-  if (kTwoHalves) {
-    _tile_stored(2, c + 16 * kBlock, ldc);
-    _tile_stored(3, c + 16 * kBlock + 16, ldc);
-  }
-}
+constexpr int64_t kBand = 32;         // rows of a tile product's block of results (two tiles of 16)
+constexpr int64_t kTileInputs = 32;   // inputs of one tile product (16 pairs)
+constexpr int64_t kInputChunk = 256;  // inputs a block's weights are walked in (16 KB of them)
+constexpr int64_t kTaskRows = 256;    // rows of a task (a block's rows are cut into these)
 
 // y = x W^T (+ bias) for M >= 2 rows of K (a multiple of 32) features. Tasks as the micro-kernel's
 // below (a block and up to 256 rows, block-major, in groups that fit L2); within a task, for each
@@ -316,31 +253,26 @@ void amx_rows(const c10::BFloat16* x, const c10::BFloat16* w, const float* bias,
                                    ? row_chunks
                                    : std::clamp<int64_t>(kGroupInputBytes / (kTaskRows * K * 2), 1, row_chunks);
   const int64_t group_tasks = blocks * group_chunks;
+  const auto* xs = reinterpret_cast<const uint16_t*>(x);
+  const auto* pad = reinterpret_cast<const uint16_t*>(padded.data());
   at::parallel_for(0, blocks * row_chunks, 1, [&](int64_t t0, int64_t t1) {
-    const TileConfig config;
-    _tile_loadconfig(&config);
-    // Released however the loop ends, through oneDNN's call, which also forgets the configuration
-    // its own micro-kernel last set on this thread (this loop's replaced it).
-    struct Release {
-      ~Release() { at::native::cpublas::brgemm_release(true); }
-    } release;
-    alignas(64) float sums[kTaskRows * kBlock];
+    const leanserve::TileScope tiles;
+    std::vector<float> sum_buffer(kTaskRows * kBlock + 16);
+    float* sums = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(sum_buffer.data()) + 63) & ~uintptr_t(63));
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t first_chunk = t / group_tasks * group_chunks;
       const int64_t chunks = std::min(group_chunks, row_chunks - first_chunk), within = t % group_tasks;
       const int64_t b = within / chunks, band0 = (first_chunk + within % chunks) * task_bands;
       const int64_t band1 = std::min(bands, band0 + task_bands);
-      const c10::BFloat16* wb = w + b * K * kBlock;
+      const auto* wb = reinterpret_cast<const uint16_t*>(w + b * K * kBlock);
       for (int64_t k0 = 0; k0 < K; k0 += kInputChunk) {
-        const int64_t k1 = std::min(K, k0 + kInputChunk);
+        const int64_t depth = std::min(kInputChunk, K - k0);
         for (int64_t band = band0; band < band1; ++band) {
           const int64_t rows = std::min(kBand, M - band * kBand);
-          const c10::BFloat16* a = rows == kBand ? x + band * kBand * K : padded.data();
-          float* c = sums + (band - band0) * kBand * kBlock;
-          if (rows > 16)
-            band_products<true>(a, K, wb, k0, k1, c, k0 == 0);
-          else
-            band_products<false>(a, K, wb, k0, k1, c, k0 == 0);
+          const uint16_t* a = rows == kBand ? xs + band * kBand * K : pad;
+          // The weights' rows are pairs of inputs, kBlock pairs each: the right-hand side's layout.
+          leanserve::tile_product(rows > 16 ? kBand : 16, kBlock, depth, a + k0, K, wb + k0 * kBlock, kBlock,
+                                  sums + (band - band0) * kBand * kBlock, kBlock, k0 > 0);
         }
       }
       const int64_t width = std::min(kBlock, N - b * kBlock), m0 = band0 * kBand;
@@ -408,7 +340,7 @@ at::Tensor brgemm_linear(const at::Tensor& x, const at::Tensor& weight, const st
     return y.view(sizes);
   }
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  if (K % kTileInputs == 0 && amx_ready()) {
+  if (K % kTileInputs == 0 && leanserve::amx_ready()) {
     amx_rows(xp, wp, bp, yp, M, K, N, blocks);
     return y.view(sizes);
   }
