@@ -46,9 +46,8 @@
 // one their blocks at ~11. More rows keep to the bf16 copy: dequantizing a block per call cost
 // more than the micro-kernel saved (256 rows: 42 -> 59 ms).
 //
-// oneDNN's micro-kernel computes in AVX512-BF16 dot products where it runs (in AMX's tiles where a
-// CPU has them, as the tile loop here does); this file's loops need AVX512-BF16. On the 2-core AMD EPYC without AMX the model's
-// forward against oneDNN's matmul: one row 16.4 -> 11.4 ms (9.3 from the Q4 blocks), 2-8 rows
+// oneDNN's micro-kernel computes in AVX512-BF16 dot products where it runs here; this file's loops
+// need AVX512-BF16. On the 2-core AMD EPYC without AMX the model's forward against oneDNN's matmul: one row 16.4 -> 11.4 ms (9.3 from the Q4 blocks), 2-8 rows
 // 1.2-1.4x, level from 16 rows to a 512-token prefill (bench/results/brgemm_on_epyc.md).
 //
 // Built at run time by leanserve/model/kernels/__init__.py, for CPUs with AVX512-BF16 (the
@@ -257,8 +256,7 @@ void amx_rows(const c10::BFloat16* x, const c10::BFloat16* w, const float* bias,
   const auto* pad = reinterpret_cast<const uint16_t*>(padded.data());
   at::parallel_for(0, blocks * row_chunks, 1, [&](int64_t t0, int64_t t1) {
     const leanserve::TileScope tiles;
-    std::vector<float> sum_buffer(kTaskRows * kBlock + 16);
-    float* sums = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(sum_buffer.data()) + 63) & ~uintptr_t(63));
+    alignas(64) float sums[kTaskRows * kBlock];
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t first_chunk = t / group_tasks * group_chunks;
       const int64_t chunks = std::min(group_chunks, row_chunks - first_chunk), within = t % group_tasks;
