@@ -1,6 +1,6 @@
-// Products in AMX's tile unit, for the linear layers on CPUs that have it (brgemm_linear.cpp):
-// whether the process may use the tiles, their one configuration, and a product of a matrix by one
-// laid out as a tile product's right-hand side.
+// AMX's tile unit: whether the CPU has it (both kernels that use it ask here), whether the process
+// may use the tiles, their one configuration, and a product of a matrix by one laid out as a tile
+// product's right-hand side (for the linear layers, brgemm_linear.cpp).
 //
 // Why leanserve's own loop rather than oneDNN's brgemm micro-kernel (at::native::cpublas::brgemm,
 // which brgemm_linear.cpp called before): it walks all of a product's depth for each 32 rows,
@@ -10,9 +10,26 @@
 // layers at 704 tokens of context; they stay oneDNN's.)
 #pragma once
 
+#include <ATen/cpu/Utils.h>
+
+namespace leanserve {
+
+// Whether the CPU has AMX's tile unit and its bf16 products (asked of cpuinfo once). Outside the
+// guard below: the prefill attention asks it too, for oneDNN's micro-kernel, which takes the tiles'
+// permission itself.
+inline bool cpu_has_amx() {
+  static const bool amx = [] {
+    const auto caps = at::cpu::get_cpu_capabilities();
+    const auto tile = caps.find("amx_tile"), bf16 = caps.find("amx_bf16");
+    return tile != caps.end() && bf16 != caps.end() && tile->second.toBool() && bf16->second.toBool();
+  }();
+  return amx;
+}
+
+}  // namespace leanserve
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 
-#include <ATen/cpu/Utils.h>
 #include <ATen/native/CPUBlas.h>
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -22,16 +39,10 @@
 
 namespace leanserve {
 
-// Whether the CPU has AMX's tiles and bf16 products, and Linux hands this process the tiles'
-// 8 KB of state (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA: asked once; oneDNN asks the
-// same where it uses them first).
+// Whether the CPU has the tiles and Linux hands this process their 8 KB of state (arch_prctl
+// ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA: asked once; oneDNN asks the same where it uses them first).
 inline bool amx_ready() {
-  static const bool ready = [] {
-    const auto caps = at::cpu::get_cpu_capabilities();
-    const auto tile = caps.find("amx_tile"), bf16 = caps.find("amx_bf16");
-    return tile != caps.end() && bf16 != caps.end() && tile->second.toBool() && bf16->second.toBool() &&
-           syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  }();
+  static const bool ready = cpu_has_amx() && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
   return ready;
 }
 

@@ -31,7 +31,6 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/Context.h>
-#include <ATen/cpu/Utils.h>
 #include <ATen/native/CPUBlas.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
@@ -46,6 +45,7 @@
 #include <vector>
 #include <memory>
 
+#include "amx.h"
 #include "common.h"
 
 #if defined(__AVX512BF16__)
@@ -424,16 +424,6 @@ inline __m512 exp2_nonpositive(__m512 y) {
   return _mm512_maskz_scalef_ps(normal, p, k);
 }
 
-// Whether the CPU has AMX's tile unit and the bf16 products for it (asked of cpuinfo once).
-bool has_amx() {
-  static const bool amx = [] {
-    const auto caps = at::cpu::get_cpu_capabilities();
-    const auto tile = caps.find("amx_tile"), bf16 = caps.find("amx_bf16");
-    return tile != caps.end() && bf16 != caps.end() && tile->second.toBool() && bf16->second.toBool();
-  }();
-  return amx;
-}
-
 // rows[i] = column i of the 16 x 16 matrix of 32-bit elements the 16 registers held as rows.
 inline void transpose16(__m512i rows[16]) {
   __m512i t[16];
@@ -684,7 +674,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   at::Tensor out = at::empty({n, H, D}, q.options());
   if (n == 0) return out;
 #if defined(__AVX512BF16__)
-  if (q.scalar_type() == at::kBFloat16 && has_amx() && at::globalContext().userEnabledMkldnn()) {
+  if (q.scalar_type() == at::kBFloat16 && leanserve::cpu_has_amx() && at::globalContext().userEnabledMkldnn()) {
     run_amx(q, k_cache, v_cache, block_ids, context_len, scale, out);
     return out;
   }
