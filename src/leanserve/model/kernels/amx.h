@@ -69,7 +69,7 @@ class TileScope {
 // One block of up to 32 x 32 results: kRows, kCols 1 or 2 tiles of 16.
 template <bool kTwoRows, bool kTwoCols>
 inline void tile_block(int64_t depth, const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, float* c,
-                       int64_t ldc, bool accumulate) {
+                       int64_t ldc, bool accumulate, const char* ahead, int64_t ahead_lines) {
   const int64_t c_bytes = ldc * 4, a_bytes = lda * 2, b_bytes = ldb * 4;
   if (accumulate) {
     _tile_loadd(0, c, c_bytes);
@@ -84,6 +84,7 @@ inline void tile_block(int64_t depth, const uint16_t* a, int64_t lda, const uint
   }
   for (int64_t k = 0; k < depth; k += 32) {
     const uint16_t* bk = b + k * ldb;  // pair row k / 2: ldb pairs of 2
+    for (int64_t line = 0; line < ahead_lines; ++line, ahead += 64) _mm_prefetch(ahead, _MM_HINT_T1);
     // Every load of the step before its products (measured: the second column tile loaded
     // between the first two products cost ~5 % of a linear layer's time).
     _tile_loadd(4, a + k, a_bytes);
@@ -107,22 +108,27 @@ inline void tile_block(int64_t depth, const uint16_t* a, int64_t lda, const uint
 // apart), b [depth / 2][ldb][2] bf16, pairs of depth (the layout of a tile product's right-hand
 // side; columns [0, cols) of its ldb). rows and cols multiples of 16, depth of 32; a TileScope
 // on the calling thread. Each result is its row's and column's products in depth order, 32 at a
-// time, whatever the other rows and columns: the same bits as oneDNN's micro-kernel.
+// time, whatever the other rows and columns: the same bits as oneDNN's micro-kernel. With `ahead`,
+// each step of 32 in depth also asks for `ahead_lines` lines of 64 bytes from there on into L2
+// (what the caller reads next: spread so, the requests fit the core's queue of misses).
 inline void tile_product(int64_t rows, int64_t cols, int64_t depth, const uint16_t* a, int64_t lda,
-                         const uint16_t* b, int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+                         const uint16_t* b, int64_t ldb, float* c, int64_t ldc, bool accumulate,
+                         const char* ahead = nullptr, int64_t ahead_lines = 0) {
   for (int64_t r = 0; r < rows; r += 32) {
     for (int64_t col = 0; col < cols; col += 32) {
       const uint16_t *ar = a + r * lda, *bc = b + col * 2;
       float* cb = c + r * ldc + col;
       const bool two_rows = r + 16 < rows, two_cols = col + 16 < cols;
+      const int64_t lines = ahead ? ahead_lines : 0;
       if (two_rows && two_cols)
-        tile_block<true, true>(depth, ar, lda, bc, ldb, cb, ldc, accumulate);
+        tile_block<true, true>(depth, ar, lda, bc, ldb, cb, ldc, accumulate, ahead, lines);
       else if (two_rows)
-        tile_block<true, false>(depth, ar, lda, bc, ldb, cb, ldc, accumulate);
+        tile_block<true, false>(depth, ar, lda, bc, ldb, cb, ldc, accumulate, ahead, lines);
       else if (two_cols)
-        tile_block<false, true>(depth, ar, lda, bc, ldb, cb, ldc, accumulate);
+        tile_block<false, true>(depth, ar, lda, bc, ldb, cb, ldc, accumulate, ahead, lines);
       else
-        tile_block<false, false>(depth, ar, lda, bc, ldb, cb, ldc, accumulate);
+        tile_block<false, false>(depth, ar, lda, bc, ldb, cb, ldc, accumulate, ahead, lines);
+      if (ahead) ahead += depth / 32 * lines * 64;
     }
   }
 }
