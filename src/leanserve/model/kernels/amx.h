@@ -128,7 +128,7 @@ inline void tile_product(int64_t rows, int64_t cols, int64_t depth, const uint16
         tile_block<false, true>(depth, ar, lda, bc, ldb, cb, ldc, accumulate, ahead, lines);
       else
         tile_block<false, false>(depth, ar, lda, bc, ldb, cb, ldc, accumulate, ahead, lines);
-      if (ahead) ahead += depth / 32 * lines * 64;
+      ahead += depth / 32 * lines * 64;  // unchanged where there is none (lines 0)
     }
   }
 }

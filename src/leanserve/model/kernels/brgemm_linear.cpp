@@ -277,7 +277,9 @@ void amx_rows(const c10::BFloat16* x, const c10::BFloat16* w, const float* bias,
       // otherwise the first band of each block waits on memory line by line.
       const int64_t next = t + 1 < t1 ? task_block(t + 1).first : b;
       const char* ahead = next != b ? reinterpret_cast<const char*>(w + next * K * kBlock) : nullptr;
-      const int64_t ahead_lines = (kTileInputs + (band1 - band0) - 1) / (band1 - band0);  // K lines over the task's steps
+      // A block is K lines (an input's 32 features, 64 bytes) and the task K / 32 steps a band:
+      // 32 / bands lines a step fetch the next block by the task's end.
+      const int64_t ahead_lines = (kTileInputs + (band1 - band0) - 1) / (band1 - band0);
       for (int64_t k0 = 0; k0 < K; k0 += kInputChunk) {
         const int64_t depth = std::min(kInputChunk, K - k0);
         for (int64_t band = band0; band < band1; ++band) {
