@@ -79,13 +79,40 @@ namespace {
 
 constexpr int64_t kBlock = 32;            // output features per block of the packed weight
 constexpr int64_t kGroup = 32;            // inputs per scale of a GGUF Q4 or Q8_0 block
-constexpr int64_t kBrgemmRows = 256;      // rows per micro-kernel call
-constexpr int64_t kBrgemmStep = 16;       // ... a multiple of this plus a remainder: see brgemm_linear
+constexpr int64_t kTaskRows = 256;        // rows of a task (a block's rows are cut into these)
+constexpr int64_t kBrgemmStep = 16;       // a micro-kernel call's rows: a multiple of this plus a remainder
 constexpr int64_t kPrefetchBytes = 8192;  // how far ahead of the one-row loop's reads
 // A core's L2 on Sapphire Rapids, where the groups below were measured; Zen 4's is 1 MB, so there
 // inputs of 1-2 MB stay one group (not measured there).
 constexpr int64_t kL2Bytes = 2 << 20;
-constexpr int64_t kGroupInputBytes = 1 << 20;  // input rows a group of the micro-kernel's tasks reads
+constexpr int64_t kGroupInputBytes = 1 << 20;  // input rows a group of tasks reads
+
+// The order in which both paths for more than one row take their tasks, (a block, a chunk of
+// kTaskRows rows): block-major (a thread's consecutive tasks reuse one block of the weight), in
+// groups of row chunks: all of them where the input fits in L2 (each thread then reads half the
+// weight once), else as many as fit in kGroupInputBytes, group after group, so a block's rows come
+// from L2, not L3, for the price of reading the weight once a group (at 2,048 rows of 576
+// features three times, of 1,536 eight). With one group there the model's 120 GEMMs of a step,
+// weights from memory, ran at 1.41-1.45 TFLOP/s, in groups at 1.88-1.91 (2-core Xeon with AMX, the
+// micro-kernel; at 576 rows groups were slower, 1.57 against 1.66: below L2's size they stay one).
+struct TaskOrder {
+  int64_t row_chunks, group_chunks, group_tasks, tasks;
+
+  TaskOrder(int64_t M, int64_t K, int64_t blocks)
+      : row_chunks((M + kTaskRows - 1) / kTaskRows),
+        group_chunks(M * K * 2 <= kL2Bytes
+                         ? row_chunks
+                         : std::clamp<int64_t>(kGroupInputBytes / (kTaskRows * K * 2), 1, row_chunks)),
+        group_tasks(blocks * group_chunks),
+        tasks(blocks * row_chunks) {}
+
+  // Task t's block and row chunk.
+  std::pair<int64_t, int64_t> operator()(int64_t t) const {
+    const int64_t first_chunk = t / group_tasks * group_chunks;
+    const int64_t chunks = std::min(group_chunks, row_chunks - first_chunk), within = t % group_tasks;
+    return {within / chunks, first_chunk + within % chunks};
+  }
+};
 
 // The 32 results of a block for one row, plus the bias, rounded to bf16 and stored; the last
 // block of a layer whose width is not a multiple of 32 stores only its first `width` columns.
@@ -241,10 +268,9 @@ void q4_one_row(const c10::BFloat16* x, const uint8_t* codes, const c10::Half* d
 constexpr int64_t kBand = 32;         // rows of a tile product's block of results (two tiles of 16)
 constexpr int64_t kTileInputs = 32;   // inputs of one tile product (16 pairs)
 constexpr int64_t kInputChunk = 256;  // inputs a block's weights are walked in (16 KB of them)
-constexpr int64_t kTaskRows = 256;    // rows of a task (a block's rows are cut into these)
 
-// y = x W^T (+ bias) for M >= 2 rows of K (a multiple of 32) features. Tasks as the micro-kernel's
-// below (a block and up to 256 rows, block-major, in groups that fit L2); within a task, for each
+// y = x W^T (+ bias) for M >= 2 rows of K (a multiple of 32) features, tasks in TaskOrder's order
+// (a block and up to 256 rows, block-major, in groups that fit L2); within a task, for each
 // chunk of inputs, every band of 32 rows: the block's chunk of weights is read from L1 by each
 // band after the first, and the rows' chunk (16 KB a band) from L2. The last band's rows, where
 // fewer than 32, are read from a copy padded with zeros (their sums are dropped).
@@ -253,29 +279,21 @@ void amx_rows(const c10::BFloat16* x, const c10::BFloat16* w, const float* bias,
   const int64_t bands = (M + kBand - 1) / kBand, tail = M % kBand;
   std::vector<c10::BFloat16> padded(tail ? kBand * K : 0);
   if (tail) std::memcpy(padded.data(), x + (M - tail) * K, tail * K * sizeof(c10::BFloat16));
-  const int64_t task_bands = kTaskRows / kBand, row_chunks = (bands + task_bands - 1) / task_bands;
-  const int64_t group_chunks = M * K * 2 <= kL2Bytes
-                                   ? row_chunks
-                                   : std::clamp<int64_t>(kGroupInputBytes / (kTaskRows * K * 2), 1, row_chunks);
-  const int64_t group_tasks = blocks * group_chunks;
+  const int64_t task_bands = kTaskRows / kBand;
+  const TaskOrder order(M, K, blocks);
   const auto* xs = reinterpret_cast<const uint16_t*>(x);
   const auto* pad = reinterpret_cast<const uint16_t*>(padded.data());
-  const auto task_block = [&](int64_t t) {  // a task's block and row chunk
-    const int64_t first_chunk = t / group_tasks * group_chunks;
-    const int64_t chunks = std::min(group_chunks, row_chunks - first_chunk), within = t % group_tasks;
-    return std::pair{within / chunks, first_chunk + within % chunks};
-  };
-  at::parallel_for(0, blocks * row_chunks, 1, [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, order.tasks, 1, [&](int64_t t0, int64_t t1) {
     const leanserve::TileScope tiles;
     alignas(64) float sums[kTaskRows * kBlock];
     for (int64_t t = t0; t < t1; ++t) {
-      const auto [b, row_chunk] = task_block(t);
+      const auto [b, row_chunk] = order(t);
       const int64_t band0 = row_chunk * task_bands, band1 = std::min(bands, band0 + task_bands);
       const auto* wb = reinterpret_cast<const uint16_t*>(w + b * K * kBlock);
       // Where the thread's next task takes another block, its weights (K lines of 64 bytes) are
       // asked into L2 while this task computes, a few lines each step of its tile products:
       // otherwise the first band of each block waits on memory line by line.
-      const int64_t next = t + 1 < t1 ? task_block(t + 1).first : b;
+      const int64_t next = t + 1 < t1 ? order(t + 1).first : b;
       const char* ahead = next != b ? reinterpret_cast<const char*>(w + next * K * kBlock) : nullptr;
       // A block is K lines (an input's 32 features, 64 bytes) and the task K / 32 steps a band:
       // 32 / bands lines a step fetch the next block by the task's end.
@@ -366,31 +384,17 @@ at::Tensor brgemm_linear(const at::Tensor& x, const at::Tensor& weight, const st
   // ever occur, not one per step size.
   TORCH_CHECK(at::globalContext().userEnabledMkldnn(),
               "brgemm_linear: more than one row needs oneDNN's micro-kernel, and torch.backends.mkldnn is disabled");
-  const int64_t row_chunks = (M + kBrgemmRows - 1) / kBrgemmRows;
-  // Tasks block-major (a thread's consecutive tasks reuse one block of the weight), in groups of
-  // row chunks: all of them where the input fits in L2 (each thread then reads half the weight
-  // once), else as many as fit in kGroupInputBytes, group after group, so a block's rows come
-  // from L2, not L3, for the price of reading the weight once a group (at 2,048 rows of 576
-  // features three times, of 1,536 eight). With one group there the model's 120 GEMMs of a step,
-  // weights from memory, ran at 1.41-1.45 TFLOP/s, in groups at 1.88-1.91 (2-core Xeon with AMX;
-  // at 576 rows groups were slower, 1.57 against 1.66: below L2's size they stay one).
-  const int64_t input_bytes = M * K * 2;
-  const int64_t group_chunks = input_bytes <= kL2Bytes
-                                   ? row_chunks
-                                   : std::clamp<int64_t>(kGroupInputBytes / (kBrgemmRows * K * 2), 1, row_chunks);
-  const int64_t group_tasks = blocks * group_chunks;
-  at::parallel_for(0, blocks * row_chunks, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> acc(kBrgemmRows * kBlock);
+  const TaskOrder order(M, K, blocks);
+  at::parallel_for(0, order.tasks, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> acc(kTaskRows * kBlock);
     // The AMX tile state brgemm configures on this thread (on a CPU with AMX) is released however
     // the loop ends.
     struct Release {
       ~Release() { at::native::cpublas::brgemm_release(true); }
     } release;
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t first_chunk = t / group_tasks * group_chunks;
-      const int64_t chunks = std::min(group_chunks, row_chunks - first_chunk), within = t % group_tasks;
-      const int64_t b = within / chunks, m0 = (first_chunk + within % chunks) * kBrgemmRows;
-      const int64_t m = std::min(kBrgemmRows, M - m0);
+      const auto [b, row_chunk] = order(t);
+      const int64_t m0 = row_chunk * kTaskRows, m = std::min(kTaskRows, M - m0);
       const int64_t whole = m / kBrgemmStep * kBrgemmStep;
       for (const auto [first, count] : {std::pair{int64_t(0), whole}, std::pair{whole, m - whole}}) {
         if (count > 0)
