@@ -110,10 +110,11 @@ inline void tile_block(int64_t depth, const uint16_t* a, int64_t lda, const uint
 // on the calling thread. Each result is its row's and column's products in depth order, 32 at a
 // time, whatever the other rows and columns: the same bits as oneDNN's micro-kernel. With `ahead`,
 // each step of 32 in depth also asks for `ahead_lines` lines of 64 bytes from there on into L2
-// (what the caller reads next: spread so, the requests fit the core's queue of misses).
-inline void tile_product(int64_t rows, int64_t cols, int64_t depth, const uint16_t* a, int64_t lda,
-                         const uint16_t* b, int64_t ldb, float* c, int64_t ldc, bool accumulate,
-                         const char* ahead = nullptr, int64_t ahead_lines = 0) {
+// (what the caller reads next: spread so, the requests fit the core's queue of misses); returns
+// where those requests stopped, the caller's next `ahead` (nullptr stays nullptr).
+inline const char* tile_product(int64_t rows, int64_t cols, int64_t depth, const uint16_t* a, int64_t lda,
+                                const uint16_t* b, int64_t ldb, float* c, int64_t ldc, bool accumulate,
+                                const char* ahead = nullptr, int64_t ahead_lines = 0) {
   for (int64_t r = 0; r < rows; r += 32) {
     for (int64_t col = 0; col < cols; col += 32) {
       const uint16_t *ar = a + r * lda, *bc = b + col * 2;
@@ -131,6 +132,7 @@ inline void tile_product(int64_t rows, int64_t cols, int64_t depth, const uint16
       ahead += depth / 32 * lines * 64;  // unchanged where there is none (lines 0)
     }
   }
+  return ahead;
 }
 
 }  // namespace leanserve

@@ -22,7 +22,7 @@
 //   (1.40-1.75 against 1.49-1.83 TFLOP/s at 192-512 rows), of 288 level. A tile
 //   product alone, its operands in L1, runs at ~3.1 TFLOP/s a core here; with both operands
 //   walking K (72 KB) ~1.5; the 2 x 2 tiles with their loads, all in L1, ~2.1 (the same at 2 x 1
-//   or 3 x 1 tiles with spare tiles loaded ahead: each tile load costs the unit ~7 cycles).
+//   or 3 x 1 tiles with spare tiles loaded ahead: each tile load costs the unit ~6-7 cycles).
 //   Each task asks for the weights of the thread's next block into L2 as it goes, a few lines
 //   each step of 32 inputs (the next block's lines spread over the task's steps): a step of 64
 //   decode rows of 128 tokens 54.6 -> 52.6 ms, 40 decode rows beside a 340-token chunk 221 -> 211
@@ -53,8 +53,9 @@
 // more than the micro-kernel saved (256 rows: 42 -> 59 ms).
 //
 // oneDNN's micro-kernel computes in AVX512-BF16 dot products where it runs here; this file's loops
-// need AVX512-BF16. On the 2-core AMD EPYC without AMX the model's forward against oneDNN's matmul: one row 16.4 -> 11.4 ms (9.3 from the Q4 blocks), 2-8 rows
-// 1.2-1.4x, level from 16 rows to a 512-token prefill (bench/results/brgemm_on_epyc.md).
+// need AVX512-BF16. On the 2-core AMD EPYC without AMX the model's forward against oneDNN's
+// matmul: one row 16.4 -> 11.4 ms (9.3 from the Q4 blocks), 2-8 rows 1.2-1.4x, level from 16 rows
+// to a 512-token prefill (bench/results/brgemm_on_epyc.md).
 //
 // Built at run time by leanserve/model/kernels/__init__.py, for CPUs with AVX512-BF16 (the
 // runner packs for it there, model/prepack.py's has_avx512_bf16).
@@ -304,9 +305,9 @@ void amx_rows(const c10::BFloat16* x, const c10::BFloat16* w, const float* bias,
           const int64_t rows = std::min(kBand, M - band * kBand);
           const uint16_t* a = rows == kBand ? xs + band * kBand * K : pad;
           // The weights' rows are pairs of inputs, kBlock pairs each: the right-hand side's layout.
-          leanserve::tile_product(rows > 16 ? kBand : 16, kBlock, depth, a + k0, K, wb + k0 * kBlock, kBlock,
-                                  sums + (band - band0) * kBand * kBlock, kBlock, k0 > 0, ahead, ahead_lines);
-          if (ahead) ahead += depth / kTileInputs * ahead_lines * 64;
+          ahead = leanserve::tile_product(rows > 16 ? kBand : 16, kBlock, depth, a + k0, K, wb + k0 * kBlock,
+                                          kBlock, sums + (band - band0) * kBand * kBlock, kBlock, k0 > 0, ahead,
+                                          ahead_lines);
         }
       }
       const int64_t width = std::min(kBlock, N - b * kBlock), m0 = band0 * kBand;
