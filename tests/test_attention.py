@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from leanserve.model import attention, kernels
 from leanserve.model.attention import (AttentionMetadata, DecodeGroup, DecodeMaskTable, GatherScratch, PagedDecode,
                                       decode_groups, paged_attention, split_decode_rows)
+from leanserve.model.kv_layout import keys_from_cache
 
 BLOCK, KV_HEADS, HEADS, DIM = 16, 2, 6, 32
 
@@ -112,8 +113,9 @@ def test_decode_rows_of_mixed_lengths_attend_exactly_their_own_contexts(dtype, m
     monkeypatch.undo()
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)  # the new keys written once, in place
     block, offset = slots // BLOCK, slots % BLOCK  # each at its slot's offset of its block, head by head
-    assert torch.equal(kc[block, :, offset], k_new) and torch.equal(vc[block, :, offset], v_new)
-    ks = [kc[torch.as_tensor(table[r, : blocks[r]])].transpose(1, 2).flatten(0, 1)[: lens[r]].float() for r in range(d)]
+    keys = keys_from_cache(kc)  # token-major (model/kv_layout.py)
+    assert torch.equal(keys[block, :, offset], k_new) and torch.equal(vc[block, :, offset], v_new)
+    ks = [keys[torch.as_tensor(table[r, : blocks[r]])].transpose(1, 2).flatten(0, 1)[: lens[r]].float() for r in range(d)]
     vs = [vc[torch.as_tensor(table[r, : blocks[r]])].transpose(1, 2).flatten(0, 1)[: lens[r]].float() for r in range(d)]
     want = dense(q.float(), ks, vs, DIM ** -0.5)
     tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
@@ -137,19 +139,20 @@ def test_gather_scratch_copies_blocks_into_buffers_it_reuses_and_grows_only_when
     cache = torch.randn(40, KV_HEADS, BLOCK, DIM, generator=g)
     scratch = GatherScratch()
     ids = torch.tensor([[3, 7, 1], [9, 2, 30]])
+    key_cache = keys_from_cache(cache)  # keys token-major, as a gather of keys reads them (model/kv_layout.py)
     keys = scratch.gather(cache, ids, GatherScratch.KEYS)
     assert keys.shape == (2, KV_HEADS, 3 * BLOCK, DIM)
-    assert torch.equal(keys, blocks_of(cache, ids))
+    assert torch.equal(keys, blocks_of(key_cache, ids)) and not torch.equal(keys, blocks_of(cache, ids))
     values = scratch.gather(cache, ids[:, :2], GatherScratch.VALUES)  # a buffer of their own
-    assert torch.equal(keys, blocks_of(cache, ids)) and torch.equal(values, blocks_of(cache, ids[:, :2]))
+    assert torch.equal(keys, blocks_of(key_cache, ids)) and torch.equal(values, blocks_of(cache, ids[:, :2]))
     smaller = scratch.gather(cache, ids[:1], GatherScratch.KEYS)
-    assert smaller.data_ptr() == keys.data_ptr() and torch.equal(smaller, blocks_of(cache, ids[:1]))
+    assert smaller.data_ptr() == keys.data_ptr() and torch.equal(smaller, blocks_of(key_cache, ids[:1]))
     larger = scratch.gather(cache, torch.arange(1, 40).view(3, 13), GatherScratch.KEYS)  # more than it holds
-    assert torch.equal(larger, blocks_of(cache, torch.arange(1, 40).view(3, 13)))
+    assert torch.equal(larger, blocks_of(key_cache, torch.arange(1, 40).view(3, 13)))
     again = scratch.gather(cache, ids, GatherScratch.KEYS)  # the grown buffer serves a smaller step
-    assert again.data_ptr() == larger.data_ptr() and torch.equal(again, blocks_of(cache, ids))
+    assert again.data_ptr() == larger.data_ptr() and torch.equal(again, blocks_of(key_cache, ids))
     half = scratch.gather(cache.to(torch.bfloat16), ids, GatherScratch.KEYS)  # another dtype: a new buffer
-    assert half.dtype == torch.bfloat16 and torch.equal(half, blocks_of(cache.to(torch.bfloat16), ids))
+    assert half.dtype == torch.bfloat16 and torch.equal(half, blocks_of(keys_from_cache(cache.bfloat16()), ids))
 
 
 def test_a_step_of_two_decode_groups_and_a_prefill_chunk_shares_the_scratch_without_overwriting_a_gather():

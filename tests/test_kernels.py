@@ -14,6 +14,7 @@ from leanserve.engine.config import EngineConfig
 from leanserve.engine.kv_cache import KVCache
 from leanserve.engine.model_runner import AttentionKernels, attention_kernels
 from leanserve.model import kernels
+from leanserve.model.kv_layout import keys_from_cache, keys_to_cache
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +25,8 @@ def kernel():
 
 
 def paged_case(lens, heads, kv_heads, dim, block, dtype, seed=0):
-    """q, caches and a block table whose rows' blocks are scattered over the pool; the null block
+    """q, caches (keys in the cache's order: model/kv_layout.py) and a block table whose rows'
+    blocks are scattered over the pool; the null block
     0, every table entry past a row's context and every slot past its length hold NaN, so a
     kernel that read them would return NaN (a value; a key read there by the bf16 path would only
     score a lane it masks)."""
@@ -42,7 +44,7 @@ def paged_case(lens, heads, kv_heads, dim, block, dtype, seed=0):
         v_cache[last, :, (n - 1) % block + 1 :] = float("nan")
     k_cache[0] = v_cache[0] = float("nan")
     q = torch.randn(len(lens), heads, dim, generator=g).to(dtype)
-    return q, k_cache, v_cache, table, torch.tensor(lens, dtype=torch.long)
+    return q, keys_to_cache(k_cache), v_cache, table, torch.tensor(lens, dtype=torch.long)
 
 
 def reference(q, k_cache, v_cache, table, lens, scale):
@@ -50,7 +52,7 @@ def reference(q, k_cache, v_cache, table, lens, scale):
     heads, kv_heads = q.shape[1], k_cache.shape[1]
     out = []
     for r, n in enumerate(lens.tolist()):
-        k = k_cache[table[r]].transpose(1, 2).flatten(0, 1)[:n].double().repeat_interleave(heads // kv_heads, dim=1)
+        k = keys_from_cache(k_cache[table[r]]).transpose(1, 2).flatten(0, 1)[:n].double().repeat_interleave(heads // kv_heads, dim=1)
         v = v_cache[table[r]].transpose(1, 2).flatten(0, 1)[:n].double().repeat_interleave(heads // kv_heads, dim=1)
         weights = (torch.einsum("hd,nhd->hn", q[r].double(), k) * scale).softmax(-1)
         out.append(torch.einsum("hn,nhd->hd", weights, v))
@@ -138,14 +140,14 @@ def test_write_kv_puts_each_token_in_its_slot_and_touches_nothing_else(dtype):
     slots = torch.tensor([17, 0, 111, 64, 65, 40])  # scattered, within and across blocks, the last slot
     qkv = torch.randn(len(slots), 9 + 2 * kv_heads, dim, generator=g).to(dtype)
     k, v = qkv[:, 9 : 9 + kv_heads], qkv[:, 9 + kv_heads :]
-    want_k, want_v = k_cache.clone(), v_cache.clone()
+    want_k, want_v = keys_from_cache(k_cache), v_cache.clone()  # keys token-major, as the test writes them
 
     def check(k, v):
         for t, slot in enumerate(slots.tolist()):
             want_k[slot // block, :, slot % block] = k[t]
             want_v[slot // block, :, slot % block] = v[t]
         write(k, v, k_cache, v_cache, slots)
-        assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+        assert torch.equal(keys_from_cache(k_cache), want_k) and torch.equal(v_cache, want_v)
 
     check(k, v)
     # Heads strided too: k and v as views of [KVH, T, D] buffers.
@@ -154,7 +156,7 @@ def test_write_kv_puts_each_token_in_its_slot_and_touches_nothing_else(dtype):
     check(k, v)
     with pytest.raises(RuntimeError, match="slot 112 of token 1 outside the cache's 112"):
         write(k, v, k_cache, v_cache, torch.tensor([3, 112, 4, 5, 6, 7]))
-    assert torch.equal(k_cache, want_k)  # checked first, written after
+    assert torch.equal(keys_from_cache(k_cache), want_k)  # checked first, written after
     with pytest.raises(RuntimeError, match="share a dtype"):
         write(k.half(), v.half(), k_cache, v_cache, slots)
     with pytest.raises(RuntimeError, match="slots"):

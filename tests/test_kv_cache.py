@@ -1,12 +1,14 @@
 """``KVCache.spans``: the contract disaggregated serving moves KV by: every layer's keys and
-values of each block as raw bytes, a run of consecutive blocks one contiguous piece per row."""
+values of each block as raw bytes, a run of consecutive blocks one contiguous piece per row; and
+the order of a block's keys within it (model/kv_layout.py)."""
 
 from __future__ import annotations
 
-import numpy as np
+import pytest
 import torch
 
 from leanserve.engine.kv_cache import KVCache
+from leanserve.model.kv_layout import key_group, keys_from_cache, keys_to_cache, stored_keys
 
 
 def test_spans_are_the_caches_memory_row_by_row():
@@ -27,3 +29,21 @@ def test_spans_are_the_caches_memory_row_by_row():
     spans.numpy()[:, 1] = spans.numpy()[:, 4]
     changed = (kv.tensor != before).nonzero()[:, 2].unique().tolist()
     assert changed == [1] and torch.equal(kv.tensor[:, :, 1], kv.tensor[:, :, 4])
+
+
+@pytest.mark.parametrize("dtype,group", [(torch.bfloat16, 2), (torch.float16, 2), (torch.float32, 1)])
+def test_a_blocks_keys_lie_dimension_major_in_groups_of_32_bits(dtype, group):
+    """model/kv_layout.py's order, element by element: key t's dimension d of a (block, KV head) at
+    (d // P) * block_size * P + t * P + d % P, P the elements in 32 bits; the conversions invert
+    each other and the view shows the order as stored."""
+    blocks, kv_heads, block_size, head_dim = 3, 2, 5, 8
+    keys = torch.arange(blocks * kv_heads * block_size * head_dim).view(blocks, kv_heads, block_size, head_dim).to(dtype)
+    stored = keys_to_cache(keys)
+    assert key_group(dtype) == group and stored.shape == keys.shape
+    run = stored[2, 1].flatten()  # one (block, KV head): its block_size * head_dim elements as they lie
+    for t in range(block_size):
+        for d in range(head_dim):
+            assert run[(d // group) * block_size * group + t * group + d % group] == keys[2, 1, t, d]
+    assert torch.equal(keys_from_cache(stored), keys)
+    assert torch.equal(stored_keys(stored)[2, 1, 3, 4], keys[2, 1, 4, 3 * group : 4 * group])
+    assert stored_keys(stored).data_ptr() == stored.data_ptr()

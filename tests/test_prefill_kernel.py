@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from leanserve.model import kernels
+from leanserve.model.kv_layout import keys_from_cache, keys_to_cache
 from leanserve.model.prepack import has_amx
 
 # (dtype, where its products are computed): bf16 in AMX's tiles only exists on a CPU with AMX.
@@ -42,7 +43,7 @@ def kernel():
 
 def sequence(context, heads, kv_heads, dim, block, dtype, seed=0):
     """q for every position of a sequence of ``context`` tokens, caches holding its keys and
-    values in blocks scattered over the pool, and its block ids; the null block 0, the slots
+    values (keys in the cache's order: model/kv_layout.py) in blocks scattered over the pool, and its block ids; the null block 0, the slots
     past the context and two table entries past its last block hold NaN, so a kernel that read
     them would return NaN."""
     g = torch.Generator().manual_seed(seed)
@@ -57,14 +58,14 @@ def sequence(context, heads, kv_heads, dim, block, dtype, seed=0):
         cache[ids[blocks:]] = float("nan")
         cache[0] = float("nan")
     q = torch.randn(context, heads, dim, generator=g).to(dtype)
-    return q, k_cache, v_cache, ids
+    return q, keys_to_cache(k_cache), v_cache, ids
 
 
 def reference(q, k_cache, v_cache, ids, context, scale):
     """Every position of q (the last len(q) of the context) against the keys up to its own, float64."""
     n, heads = q.shape[:2]
     group = heads // k_cache.shape[1]
-    k = k_cache[ids].transpose(1, 2).flatten(0, 1)[:context].double().repeat_interleave(group, dim=1)
+    k = keys_from_cache(k_cache[ids]).transpose(1, 2).flatten(0, 1)[:context].double().repeat_interleave(group, dim=1)
     v = v_cache[ids].transpose(1, 2).flatten(0, 1)[:context].double().repeat_interleave(group, dim=1)
     scores = torch.einsum("nhd,khd->hnk", q.double(), k) * scale
     positions = torch.arange(context - n, context)

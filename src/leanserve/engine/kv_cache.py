@@ -118,12 +118,14 @@ class KVCache:
     [layers, 2 (k, v), num_blocks, kv_heads, block_size, head_dim].
 
     What a block holds: for every layer, its ``block_size`` tokens' keys and values,
-    [kv_heads, block_size, head_dim] each: KV head by KV head, each head's rows of the block
-    together (vLLM's CPU backend orders its blocks so too). Decode attention walks one KV head
-    through a context's blocks, so it reads runs of ``block_size`` rows (the default model in bf16:
-    2 KB with 16-token blocks, 4 KB with the CPU default of 32) rather than 128-byte rows 384
-    bytes apart: one layer of 64 rows x 1,024 tokens 3.5 -> 2.4 ms with 16-token blocks, with
-    the kernel's prefetch (AMD EPYC, 2 threads, bench/results/kv_layout.md). In memory, one layer's keys (or values) of
+    [kv_heads, block_size, head_dim] each: KV head by KV head, each head's keys (and values) of the
+    block together (vLLM's CPU backend orders its blocks so too); values token-major, keys
+    dimension-major in groups of 32 bits (``model/kv_layout.py`` says exactly how, and why).
+    Decode attention walks one KV head through a context's blocks, so it reads runs of
+    ``block_size`` tokens (the default model in bf16: 2 KB with 16-token blocks, 4 KB with the CPU
+    default of 32) rather than 128-byte rows 384 bytes apart: one layer of 64 rows x 1,024 tokens
+    3.5 -> 2.4 ms with 16-token blocks, with the kernel's prefetch (AMD EPYC, 2 threads,
+    bench/results/kv_layout.md). In memory, one layer's keys (or values) of
     every block are one contiguous pool (``tensor[layer, k/v]``), which attention reads a row's
     blocks from, and a run of consecutive blocks is, for each layer's keys and values, one
     contiguous piece (``spans``); a rank of tensor parallelism holds its own heads' cache."""

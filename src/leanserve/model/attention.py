@@ -36,6 +36,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .kv_layout import keys_from_cache, stored_keys
+
 
 def bucket(n: int, multiple: int = 1) -> int:
     """``n`` rounded up to one of a few sizes: multiples of ``multiple``, and at most 8 sizes
@@ -159,29 +161,38 @@ class GatherScratch:
     memory plan does not count them."""
 
     KEYS, VALUES = 0, 1  # which buffer a gather fills
+    _STAGED_KEYS = 2  # keys in the cache's order, before they are put token-major into KEYS
 
     def __init__(self):
-        self._buffers: list[torch.Tensor | None] = [None, None]  # KEYS, VALUES
+        self._buffers: list[torch.Tensor | None] = [None, None, None]  # KEYS, VALUES, _STAGED_KEYS
 
     def gather(self, cache: torch.Tensor, block_ids: torch.Tensor, which: int) -> torch.Tensor:
         """[num_blocks, KVH, block_size, D] at [S, n] block ids -> [S, KVH, n * block_size, D] (a
-        view of [KVH, S, n * block_size, D]), in buffer ``which`` (:attr:`KEYS` or :attr:`VALUES`).
-        One index_select per KV head, each copying its blocks' rows with memcpy: the same time
-        as one over whole blocks (0.12 against 0.10 ms for 16 rows x 1,056 tokens here), where
-        one over the heads' dimension, or advanced indexing (``cache[ids]``), goes element by
-        element (3.4 ms)."""
+        view of [KVH, S, n * block_size, D]), token-major, in buffer ``which`` (:attr:`KEYS` or
+        :attr:`VALUES`). One index_select per KV head, each copying its blocks' rows with memcpy:
+        the same time as one over whole blocks (0.12 against 0.10 ms for 16 rows x 1,056 tokens
+        here), where one over the heads' dimension, or advanced indexing (``cache[ids]``), goes
+        element by element (3.4 ms). Keys, stored dimension-major in a block (model/kv_layout.py),
+        are gathered as stored and then copied token-major: a second copy of them, on the path that
+        reads the cache through SDPA (not the CPU's kernels)."""
         s, n = block_ids.shape
         kv_heads, block_size, head_dim = cache.shape[1:]
         rows = (kv_heads, s * n, block_size, head_dim)
-        size = math.prod(rows)
-        buf = self._buffers[which]
-        if buf is None or buf.numel() < size or buf.dtype != cache.dtype or buf.device != cache.device:
-            buf = self._buffers[which] = torch.empty(bucket(size), dtype=cache.dtype, device=cache.device)
-        out = buf[:size].view(rows)
+        out = self._buffer(which, rows, cache)
+        gathered = self._buffer(self._STAGED_KEYS, rows, cache) if which == self.KEYS else out
         ids = block_ids.reshape(-1)
         for h in range(kv_heads):
-            torch.index_select(cache[:, h], 0, ids, out=out[h])
+            torch.index_select(cache[:, h], 0, ids, out=gathered[h])
+        if which == self.KEYS:
+            keys_from_cache(gathered, out=out)
         return out.view(kv_heads, s, n * block_size, head_dim).transpose(0, 1)
+
+    def _buffer(self, which: int, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        size = math.prod(shape)
+        buf = self._buffers[which]
+        if buf is None or buf.numel() < size or buf.dtype != like.dtype or buf.device != like.device:
+            buf = self._buffers[which] = torch.empty(bucket(size), dtype=like.dtype, device=like.device)
+        return buf[:size].view(shape)
 
 
 @dataclass
@@ -201,22 +212,21 @@ class AttentionMetadata:
     write_kv: Callable | None = None
 
     # cache_rows()'s result, computed by the first layer, used by all
-    _cache_rows: torch.Tensor | None = field(default=None, repr=False)
+    _cache_rows: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:
         """Rows of the step that are tokens; the model's input may have padding rows after them."""
         return self.slot_mapping.shape[0]
 
-    def cache_rows(self, kv_heads: int, block_size: int) -> torch.Tensor:
-        """[T, KVH]: where the step's new keys (or values) go in a layer's cache seen as rows of
-        head_dim, [num_blocks * KVH * block_size, D]: token t's head h to row (block * KVH + h) *
-        block_size + offset, for its slot block * block_size + offset. The same for every layer:
-        computed once a step."""
+    def cache_rows(self, kv_heads: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T, KVH] each: where the step's new keys and values go in a layer's cache, token t's
+        head h to (block * KVH + h, offset) for its slot block * block_size + offset, as (block
+        and head, offset). The same for every layer: computed once a step."""
         if self._cache_rows is None:
             block, offset = self.slot_mapping // block_size, self.slot_mapping % block_size
             heads = torch.arange(kv_heads, device=self.slot_mapping.device)
-            self._cache_rows = ((block[:, None] * kv_heads + heads) * block_size + offset[:, None])
+            self._cache_rows = (block[:, None] * kv_heads + heads, offset[:, None].expand(-1, kv_heads))
         return self._cache_rows
 
     @classmethod
@@ -328,9 +338,11 @@ def paged_attention(
     if meta.write_kv is not None:
         meta.write_kv(new_k, new_v, k_cache, v_cache, meta.slot_mapping)
     else:
-        rows = meta.cache_rows(kv_heads, block_size)
-        k_cache.view(-1, head_dim).index_put_((rows,), new_k)
-        v_cache.view(-1, head_dim).index_put_((rows,), new_v)
+        # One index_put_ a cache: values as rows of head_dim, keys in groups of 32 bits (model/kv_layout.py).
+        block_head, offset = meta.cache_rows(kv_heads, block_size)
+        keys = stored_keys(k_cache).flatten(0, 1)  # [blocks * KVH, head_dim / P, block_size, P]
+        keys[block_head, :, offset] = new_k.reshape(*block_head.shape, keys.shape[1], keys.shape[3])
+        v_cache.view(-1, block_size, head_dim)[block_head, offset] = new_v
     d = meta.num_decode
     if not meta.prefills and not padded:  # a pure decode step: no output to assemble from parts
         return _decode_attention(q, k_cache, v_cache, meta, scale).flatten(1)

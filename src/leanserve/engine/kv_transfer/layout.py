@@ -6,6 +6,7 @@ import hashlib
 
 import torch
 
+from ...model.kv_layout import KEY_ORDER
 from .messages import KVLayout
 
 # Bytes of the embedding read into the model's fingerprint: enough to tell two checkpoints of
@@ -21,4 +22,4 @@ def engine_layout(model: torch.nn.Module, block_size: int) -> KVLayout:
                   .numpy().tobytes())
     return KVLayout(model=f"{cfg.architecture}-{digest.hexdigest()}", dtype=str(weight.dtype).removeprefix("torch."),
                     num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                    block_size=block_size)
+                    block_size=block_size, key_order=KEY_ORDER)

@@ -4,7 +4,8 @@ to a prefill worker; ``BlocksHeader`` plus one frame of block bytes, or ``Refuse
 
 Side-channel messages are msgpack structs with only scalars and short lists: block contents
 never go through msgpack or pickle; they travel as one raw frame, ``len(block_ids)`` block
-buffers back to back, each ``[layers, 2, kv_heads, block_size, head_dim]`` of ``dtype``.
+buffers back to back, each ``[layers, 2, kv_heads, block_size, head_dim]`` of ``dtype`` (the keys of
+each ``[block_size, head_dim]`` in ``key_order``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ class KVLayout(msgspec.Struct, array_like=True, frozen=True):
     num_kv_heads: int
     head_dim: int
     block_size: int
+    key_order: str  # how a block's keys lie within it (model/kv_layout.py's KEY_ORDER)
 
     def mismatch(self, theirs: "KVLayout", here: str, there: str) -> str | None:
         """None when compatible, else every difference, named: 'block_size: 16 on the prefill

@@ -83,6 +83,18 @@ inline float exp_nonpositive(float x) {
   return x < -87.f ? 0.f : p * two_k;
 }
 
+// Keys lie in the cache dimension-major in groups of 32 bits (model/kv_layout.py says why): a
+// (block, KV head)'s [head_dim / P][block_size][P], P elements of T in 32 bits, so that group p
+// of consecutive keys is one run of 32-bit lanes. Key t's dimension d is element
+// key_offset<T>(t, d, block_size) of the (block, head)'s run.
+template <typename T>
+constexpr int64_t kKeyGroup = 4 / int64_t(sizeof(T));
+
+template <typename T>
+inline int64_t key_offset(int64_t t, int64_t d, int64_t block_size) {
+  return (d / kKeyGroup<T>) * block_size * kKeyGroup<T> + t * kKeyGroup<T> + d % kKeyGroup<T>;
+}
+
 // 16 floats (and 16 int32) as the compiler's own vector types: one AVX-512 register, two AVX2 or
 // four NEON ones where the CPU's registers are narrower. The attention kernels' lanes.
 typedef float vfloat16 __attribute__((vector_size(16 * sizeof(float))));

@@ -2,24 +2,26 @@
 // the keys and values of its own blocks, read where they lie in the cache (no gather, no
 // padding to the longest context), with all query heads that share a KV head in one pass, so
 // each key and value row is read from memory once and used G times. A block holds each KV
-// head's rows together, [kv_heads, block_size, head_dim] (engine/kv_cache.py says why).
+// head's keys and values together, the keys dimension-major in groups of 32 bits
+// (model/kv_layout.py says what a block holds, and why).
 //
 // Why it exists (bench/results/model.md): SDPA's flash kernel over gathered keys tiles a decode
 // row's G = 3 query heads (the default model) as 3-row tiles, ~29 GFLOP/s here, and the gather
-// copies every key first. This kernel keeps a KV head's G queries and G running sums in
-// registers and streams the blocks through them: one layer of 64 rows x 1,024 tokens, 3.3 ms
-// against 8.7-12 ms gathered into SDPA (AMD EPYC, 2 threads, the float32 loop: attend_bf16 below
-// came later and is not measured there). With bf16 caches on CPUs with
-// AVX512-BF16 (attend_bf16) it scores 16 keys at once from the bf16 rows as stored: on the Xeon
-// 7.6-8.0 -> 5.3-5.6 ms a layer at 64 x 1,024 read from memory (bench/results/decode_bf16_serve.md).
+// copies every key first. This kernel keeps a KV head's G queries in L1 and their G running sums
+// in registers and streams the blocks through them: 16 keys at a time in the 16 lanes of a
+// vector, each key's score a sum of multiply-adds down its own lane (the keys' layout makes 16
+// keys' group of dimensions one load), so the softmax runs on whole vectors and nothing is summed
+// across lanes; then each value row times its weight into the sums. All in float32 multiply-adds:
+// on the Xeon these issue two a cycle where bf16 dot products (vdpbf16ps) issue one every two.
+// One layer of 64 rows x 1,024 tokens of the default model in bf16, 2 threads:
+// bench/results/decode_lanes.md.
 //
-// Numerics: scores, softmax and the weighted sum in float32 with an online (running max)
-// softmax, the result rounded once to the cache's dtype (attend_bf16: products of bf16 queries and
-// keys, exact, summed in float32 in another order, then scaled). A row's result depends only on its
-// own query and context: contexts are cut into partitions of a fixed number of tokens
-// (kPartitionTokens, not a function of the batch or the threads), each attended on its own and
-// merged in order, so the output is bitwise the same whatever rows share the step (batch
-// invariance, tested).
+// Numerics: the query times the softmax scale in float32, scores, softmax and the weighted sum in
+// float32 (bf16 keys and values widened exactly) with an online (running max) softmax, the result
+// rounded once to the cache's dtype. A row's result depends only on its own query and context:
+// contexts are cut into partitions of a fixed number of tokens (kPartitionTokens, not a function
+// of the batch or the threads), each attended on its own and merged in order, so the output is
+// bitwise the same whatever rows share the step (batch invariance, tested).
 //
 // The query rows are read where the model leaves them, in the QKV projection's output (rows
 // strided, each row's heads contiguous), not copied out first. write_kv, at the end, puts a step's
@@ -46,15 +48,12 @@
 
 #include "common.h"
 
-#if defined(__AVX512BF16__)
-#include <immintrin.h>
-#endif
-
 namespace {
 
 using leanserve::exp_nonpositive;
 using leanserve::for_dtype;
-using leanserve::vfloat16;
+using leanserve::kKeyGroup;
+using leanserve::key_offset;
 using leanserve::widen;
 
 // Tokens a work item attends: long contexts split into partitions so that few rows still keep
@@ -64,16 +63,11 @@ constexpr int64_t kMaxHeads = 128;  // query heads
 constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kMaxBlockSize = 256;
 
-template <typename T>
-inline void widen_row(const T* src, float* dst, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) dst[i] = widen(src[i]);
-}
-
-// Float vectors of 16 lanes (common.h's vfloat16). The shapes most models have (below) keep a KV
-// head's query heads and their sums in registers across a whole partition.
+// Float vectors of 16 lanes (common.h's vfloat16: one AVX-512 register, two AVX2 or four NEON
+// ones), and 16 lanes of 32 bits.
 constexpr int kLanes = 16;
-using vfloat = vfloat16;
+using vfloat = leanserve::vfloat16;
+using vint = leanserve::vint16;
 
 inline vfloat load(const float* p) {
   vfloat v;
@@ -83,12 +77,50 @@ inline vfloat load(const float* p) {
 
 inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
 
+// The 16 lanes of 32 bits at p.
+inline vint load_bits(const void* p) {
+  vint v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// The first `lanes` of them and zeros after: a pass whose 16 lanes would read past its block's
+// keys (blocks of other than a multiple of 16 tokens).
+inline vint load_bits(const void* p, int lanes) {
+  vint v{};
+  std::memcpy(&v, p, lanes * sizeof(int32_t));
+  return v;
+}
+
+inline float max_lanes(vfloat v) {  // halves compared: 4 shuffles and maxima
+  v = v > __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7)
+          ? v : __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v = v > __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11)
+          ? v : __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  v = v > __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13)
+          ? v : __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  return std::max(v[0], v[1]);
+}
+
 inline float sum_lanes(vfloat v) {  // halves added: 4 shuffles and adds, not 15 dependent adds
   v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
   v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
   v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
   v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
   return v[0];
+}
+
+// 16 lanes of 32 bits as the P = kKeyGroup<T> float vectors of the elements they hold: x[j] lane
+// l is element j of lane l's group. bf16 is the upper half of a float32, and a lane's first bf16
+// its lower 16 bits (little-endian, as every CPU this builds for).
+template <typename T>
+inline void widen_lanes(vint bits, vfloat x[kKeyGroup<T>]) {
+  if constexpr (std::is_same_v<T, float>) {
+    x[0] = (vfloat)bits;
+  } else {
+    x[0] = (vfloat)(bits << 16);
+    x[1] = (vfloat)(bits & int32_t(0xffff0000u));
+  }
 }
 
 // Folds one query head's scores for a block, s[0, n), into its running max and sum: s becomes the
@@ -128,25 +160,28 @@ inline void prefetch_block(const T* p, int64_t elements) {
 }
 
 // Walks tokens [begin, end) of a context, whose blocks are block_ids, for KV head h: f(keys,
-// values, n, ahead) for each block's run of n tokens, with the head's first key and value row of
-// the run (rows D apart: a block holds each head's rows together) and Ahead, the rows f is to
-// prefetch as it goes (Ahead::row): the head's block after next, or near the end of the walk the
-// next head's first blocks (the caller walks the heads in turn over the same tokens).
+// values, first, n, ahead) for each block's run of n tokens from offset `first` of its block, with
+// the head's key group 0 of the run's first token (a key's groups are block_size keys apart:
+// kv_layout.py) and its first value row (rows D apart), and Ahead, the lines f is to prefetch as it goes (Ahead::row): the head's block after
+// next, or near the end of the walk the next head's first blocks (the caller walks the heads in
+// turn over the same tokens).
 //
 // Why after next, and as it goes rather than all at once: one layer of 64 rows x 1,024 tokens
 // from memory (30 layers' caches, blocks scattered; AMD EPYC, 2 threads, three interleaved
 // rounds) took 2.9-3.2 ms with the next block's 64 lines asked for in one burst before each
 // block, 2.8-3.0 with them spread over the block's rows, 2.3-2.7 with the block after next spread
 // so, 2.5-2.8 four blocks ahead; running on into the next head's walk, 2.47-2.61 -> 2.34-2.41
-// (bench/results/kv_layout.md).
+// (bench/results/kv_layout.md). With keys in lanes (bench/results/decode_lanes.md) on the Xeon
+// the same: one or three blocks ahead, or into L1, slower.
 template <typename T>
 struct Ahead {
   const T* keys = nullptr;  // nullptr: the context ends before that block
   const T* values = nullptr;
 
-  // Row t's key and value lines into L2 (rows of D elements), while the current block's row t is
-  // attended. D known when compiled, so prefetch_block's loop unrolls: with the row size a run-time
-  // value instead, one layer above took 3.8-4.1 ms, the prefetches all but lost.
+  // A row's worth of the block's key and value lines into L2 (D elements each: the whole block
+  // over its rows), while the current block's row t is attended. D known when compiled, so
+  // prefetch_block's loop unrolls: with the row size a run-time value instead, one layer above
+  // took 3.8-4.1 ms, the prefetches all but lost.
   template <int64_t D>
   void row(int64_t t) const {
     if (keys == nullptr) return;
@@ -171,21 +206,15 @@ inline void for_each_run(const T* k_cache, const T* v_cache, const int64_t* bloc
       const int64_t at = block_ids[first_block + later] * block_stride + later_head * head_stride;
       ahead = Ahead<T>{k_cache + at, v_cache + at};
     }
-    const int64_t run = block_ids[start / block_size] * block_stride + h * head_stride + first * D;
-    f(k_cache + run, v_cache + run, n, ahead);
+    const int64_t run = block_ids[start / block_size] * block_stride + h * head_stride;
+    f(k_cache + run + first * kKeyGroup<T>, v_cache + run + first * D, first, n, ahead);
     start += n;
   }
 }
 
-// A row's query heads in float32, times the softmax scale: what the float32 loops below multiply.
-template <typename T>
-inline void scaled_query(const T* q, float scale, int64_t n, float* out) {
-  for (int64_t i = 0; i < n; ++i) out[i] = widen(q[i]) * scale;
-}
-
 // Attends a row's query heads q_row [H, D] (head i reads KV head i / G; scores times scale) to tokens
 // [begin, end) of a context whose blocks are block_ids, into p: any shape within the limits
-// above, the fallback of attend_fixed() below. A block's keys (then values) for every KV head
+// above, the fallback of attend_lanes() below. A block's keys (then values) for every KV head
 // are one contiguous run of memory, read front to back (all heads a block: not for_each_run's
 // walk, which takes one head through the blocks).
 template <typename T>
@@ -193,7 +222,7 @@ void attend(const T* q_row, float scale, const T* k_cache, const T* v_cache, con
             int64_t end, int64_t block_size, int64_t KVH, int64_t G, int64_t D, Partial p) {
   const int64_t H = KVH * G, head_stride = block_size * D, block_stride = KVH * head_stride;
   alignas(64) float q[kMaxHeads * kMaxHeadDim];
-  scaled_query(q_row, scale, H * D, q);
+  for (int64_t i = 0; i < H * D; ++i) q[i] = widen(q_row[i]) * scale;
   alignas(64) float row[kMaxHeadDim];
   alignas(64) float scores[kMaxHeads * kMaxBlockSize];
   for (int64_t i = 0; i < H; ++i) {
@@ -210,11 +239,11 @@ void attend(const T* q_row, float scale, const T* k_cache, const T* v_cache, con
       prefetch_block(k_cache + next * block_stride, block_stride);
       prefetch_block(v_cache + next * block_stride, block_stride);
     }
-    const T* keys = k_cache + block * block_stride + first * D;
+    const T* keys = k_cache + block * block_stride;
     const T* values = v_cache + block * block_stride + first * D;
     for (int64_t h = 0; h < KVH; ++h) {
       for (int64_t t = 0; t < n; ++t) {
-        widen_row(keys + h * head_stride + t * D, row, D);
+        for (int64_t d = 0; d < D; ++d) row[d] = widen(keys[h * head_stride + key_offset<T>(first + t, d, block_size)]);
         for (int64_t g = 0; g < G; ++g) {
           const float* qi = q + (h * G + g) * D;
           float dot = 0.f;
@@ -233,7 +262,9 @@ void attend(const T* q_row, float scale, const T* k_cache, const T* v_cache, con
     }
     for (int64_t h = 0; h < KVH; ++h) {
       for (int64_t t = 0; t < n; ++t) {
-        widen_row(values + h * head_stride + t * D, row, D);
+        const T* v = values + h * head_stride + t * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) row[d] = widen(v[d]);
         for (int64_t g = 0; g < G; ++g) {
           const float w = scores[(h * G + g) * n + t];
           float* a = p.acc + (h * G + g) * D;
@@ -246,167 +277,138 @@ void attend(const T* q_row, float scale, const T* k_cache, const T* v_cache, con
   }
 }
 
-// attend() for G query heads per KV head and D = DV * kLanes dimensions known when compiled: KV
-// head by KV head, its G queries and G running sums held in registers over the partition's
-// blocks (3 x 4 + 3 x 4 of 32 AVX-512 registers for the default model), each block's keys
-// scored, its softmax weights updated, its values summed in.
+// attend() for G query heads per KV head and D dimensions known when compiled (D a multiple of 16
+// P: 64 and 128 below): KV head by KV head, its G queries (times the scale) in L1, its G running
+// sums in registers over the partition's blocks. Per block, 16 keys at a time (32 where the sums
+// fit the registers, so enough multiply-adds are in flight that their latency does not bound the
+// loop): their scores as the lanes of G vectors, a multiply-add per element of a key's 32-bit
+// groups down each lane; then the block's weights folded into the running softmax; then each
+// value row, widened, times its weight into the sums, which hold a value row's elements in the
+// order its 32-bit lanes widen to (element j of lane l of load c: dimension 16 P c + P l + j), put
+// back in order at the end.
 // Takes attend()'s arguments, so either can be picked per call; G and D are the template's.
-template <typename T, int G, int DV>
-void attend_fixed(const T* q_row, float scale, const T* k_cache, const T* v_cache, const int64_t* block_ids,
+template <typename T, int G, int D>
+void attend_lanes(const T* q_row, float scale, const T* k_cache, const T* v_cache, const int64_t* block_ids,
                   int64_t begin, int64_t end, int64_t block_size, int64_t KVH, int64_t, int64_t, Partial p) {
-  constexpr int64_t D = DV * kLanes;
-  alignas(64) float q[kMaxHeads * kMaxHeadDim];
-  scaled_query(q_row, scale, KVH * G * D, q);
-  alignas(64) float row[D];
+  constexpr int P = kKeyGroup<T>;
+  constexpr int C = D / (kLanes * P);  // 32-bit loads of a value row
+  // Passes of 16 keys scored together, each with its own G x P sums: 2 where those fit the
+  // registers (the default model's 3 heads in bf16: 12 sums in flight).
+  constexpr int R = G * P <= 8 ? 2 : 1;
+  static_assert(D % (kLanes * P) == 0);
+  const int64_t group_stride = block_size * P;  // elements from a key's group to its next
+  const vfloat minus_inf = vfloat{} - std::numeric_limits<float>::infinity();
+  vint lane;
+  for (int l = 0; l < kLanes; ++l) lane[l] = l;
+  alignas(64) float q[G * D];
   alignas(64) float scores[G][kMaxBlockSize];
   for (int64_t h = 0; h < KVH; ++h) {
-    vfloat qv[G][DV], acc[G][DV];
+    for (int64_t i = 0; i < G * D; ++i) q[i] = widen(q_row[h * G * D + i]) * scale;
+    vfloat acc[G][C][P];
     float max[G], sum[G];
+#pragma GCC unroll 8
     for (int g = 0; g < G; ++g) {
-      for (int i = 0; i < DV; ++i) {
-        qv[g][i] = load(q + (h * G + g) * D + i * kLanes);
-        acc[g][i] = vfloat{};
-      }
+      for (int c = 0; c < C; ++c)
+        for (int j = 0; j < P; ++j) acc[g][c][j] = vfloat{};
       max[g] = -std::numeric_limits<float>::infinity();
       sum[g] = 0.f;
     }
     for_each_run(k_cache, v_cache, block_ids, begin, end, block_size, KVH, h, D,
-                 [&](const T* keys, const T* values, int64_t n, const Ahead<T>& ahead) {
-      for (int64_t t = 0; t < n; ++t) {
-        widen_row(keys + t * D, row, D);
-        vfloat k[DV];
-        for (int i = 0; i < DV; ++i) k[i] = load(row + i * kLanes);
-        for (int g = 0; g < G; ++g) {
-          vfloat dot = qv[g][0] * k[0];
-          for (int i = 1; i < DV; ++i) dot += qv[g][i] * k[i];
-          scores[g][t] = sum_lanes(dot);
+                 [&](const T* keys, const T* values, int64_t first, int64_t n, const Ahead<T>& ahead) {
+      for (int64_t t0 = 0; t0 < n; t0 += R * kLanes) {
+        // R passes of 16 keys: pass i's keys m[i] (0 past the run), its lanes read (16, or m[i]
+        // where 16 would read past the block's keys of the group: blocks not a multiple of 16).
+        int m[R], lanes[R];
+        bool whole = true;
+        for (int i = 0; i < R; ++i) {
+          const int64_t from = t0 + i * kLanes;
+          m[i] = int(std::clamp<int64_t>(n - from, 0, kLanes));
+          lanes[i] = first + from + kLanes <= block_size ? kLanes : m[i];
+          whole = whole && lanes[i] == kLanes;
+        }
+        vfloat part[R][G][P];
+#pragma GCC unroll 8
+        for (int i = 0; i < R; ++i)
+          for (int g = 0; g < G; ++g)
+            for (int j = 0; j < P; ++j) part[i][g][j] = vfloat{};
+        const auto score = [&](int64_t e, const vint (&bits)[R]) {
+#pragma GCC unroll 8
+          for (int i = 0; i < R; ++i) {
+            vfloat x[P];
+            widen_lanes<T>(bits[i], x);
+            for (int g = 0; g < G; ++g)
+              for (int j = 0; j < P; ++j) part[i][g][j] += x[j] * q[g * D + e * P + j];
+          }
+        };
+        const T* k = keys + t0 * P;
+        if (whole) {
+#pragma GCC unroll 2
+          for (int64_t e = 0; e < D / P; ++e) {
+            vint bits[R];
+            for (int i = 0; i < R; ++i) bits[i] = load_bits(k + e * group_stride + i * kLanes * P);
+            score(e, bits);
+          }
+        } else {
+          for (int64_t e = 0; e < D / P; ++e) {
+            vint bits[R];
+            for (int i = 0; i < R; ++i) bits[i] = load_bits(k + e * group_stride + i * kLanes * P, lanes[i]);
+            score(e, bits);
+          }
+        }
+#pragma GCC unroll 8
+        for (int i = 0; i < R; ++i) {
+          if (m[i] == 0) break;
+          const vint valid = lane < (vint{} + m[i]);
+          for (int g = 0; g < G; ++g) {
+            vfloat sum = part[i][g][0];
+            for (int j = 1; j < P; ++j) sum += part[i][g][j];
+            store(scores[g] + t0 + i * kLanes, valid ? sum : minus_inf);  // lanes past the run: keys that may hold anything
+          }
         }
       }
+      // Online softmax over the block: a new max rescales what was summed so far (by 0 the first
+      // time: the max was -inf).
+      const int64_t passes = (n + kLanes - 1) / kLanes;
+#pragma GCC unroll 8
       for (int g = 0; g < G; ++g) {
-        const float rescale = fold_block_scores(scores[g], n, max[g], sum[g]);
+        vfloat top = load(scores[g]);
+        for (int64_t i = 1; i < passes; ++i) top = top > load(scores[g] + i * kLanes) ? top : load(scores[g] + i * kLanes);
+        const float new_max = std::max(max[g], max_lanes(top));
+        const float rescale = exp_nonpositive(max[g] - new_max);
+        max[g] = new_max;
+        vfloat total{};
+        for (int64_t i = 0; i < passes; ++i) {
+          const vfloat w = exp_nonpositive(load(scores[g] + i * kLanes) - new_max);
+          store(scores[g] + i * kLanes, w);
+          total += w;
+        }
+        sum[g] = sum[g] * rescale + sum_lanes(total);
         if (rescale != 1.f)
-          for (int i = 0; i < DV; ++i) acc[g][i] *= rescale;
+          for (int c = 0; c < C; ++c)
+            for (int j = 0; j < P; ++j) acc[g][c][j] *= rescale;
       }
       for (int64_t t = 0; t < n; ++t) {
         ahead.template row<D>(t);
-        widen_row(values + t * D, row, D);
-        vfloat v[DV];
-        for (int i = 0; i < DV; ++i) v[i] = load(row + i * kLanes);
-        for (int g = 0; g < G; ++g)
-          for (int i = 0; i < DV; ++i) acc[g][i] += scores[g][t] * v[i];
+        vfloat v[C][P];
+        for (int c = 0; c < C; ++c) widen_lanes<T>(load_bits(values + t * D + c * kLanes * P), v[c]);
+#pragma GCC unroll 8
+        for (int g = 0; g < G; ++g) {
+          const float w = scores[g][t];
+          for (int c = 0; c < C; ++c)
+            for (int j = 0; j < P; ++j) acc[g][c][j] += v[c][j] * w;
+        }
       }
     });
     for (int g = 0; g < G; ++g) {
       p.max[h * G + g] = max[g];
       p.sum[h * G + g] = sum[g];
-      for (int i = 0; i < DV; ++i) store(p.acc + (h * G + g) * D + i * kLanes, acc[g][i]);
+      float* a = p.acc + (h * G + g) * D;
+      for (int c = 0; c < C; ++c)
+        for (int j = 0; j < P; ++j)
+          for (int l = 0; l < kLanes; ++l) a[(c * kLanes + l) * P + j] = acc[g][c][j][l];
     }
   }
 }
-
-#if defined(__AVX512BF16__)
-// The 16 lanes of 16 vectors summed, as one vector: lane i the sum of v[i]'s lanes. A transposed
-// tree (pairs of vectors interleaved and added within 128-bit quarters, then the quarters) of 2.8
-// shuffles and adds a vector, where sum_lanes takes 8.
-inline __m512 sum_lanes16(const __m512 v[16]) {
-  __m512 quad[4];  // quad[k], quarter c: the sums over quarter c of v[4k], ..., v[4k + 3]
-  for (int k = 0; k < 4; ++k) {
-    const __m512* x = v + 4 * k;
-    const __m512 a = _mm512_add_ps(_mm512_unpacklo_ps(x[0], x[1]), _mm512_unpackhi_ps(x[0], x[1]));
-    const __m512 b = _mm512_add_ps(_mm512_unpacklo_ps(x[2], x[3]), _mm512_unpackhi_ps(x[2], x[3]));
-    quad[k] = _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xEE));
-  }
-  // Quarters 0 and 2 beside 1 and 3, added: twice, then lane 4k + j holds v[4k + j]'s whole sum.
-  const auto halve = [](__m512 a, __m512 b) {
-    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
-  };
-  return halve(halve(quad[0], quad[1]), halve(quad[2], quad[3]));
-}
-
-// 16 bf16 values as float32: bf16 is the upper half of a float32.
-inline __m512 widen16(const c10::BFloat16* p) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-
-// attend_fixed() for bf16 caches on CPUs with AVX512-BF16, D = 32 * DP: 16 keys at a time, their
-// scores for a query head as the 16 lanes of one vector, so the softmax runs on vectors and the
-// scores' sums across lanes are one sum_lanes16 for 16 keys. A key's products with the query, bf16
-// times bf16 (both as stored: the scale multiplies the scores), are exact in float32 and taken in
-// pairs by vdpbf16ps, without widening the key: ~3x fewer instructions a key than attend_fixed,
-// which was bound by them on the Xeon (one layer of 64 rows x 1,024 tokens at ~9 GB/s of keys and
-// values whether its blocks were scattered or in order; now ~18 from the caches, ~9 from memory).
-// The weighted sum stays float32: weights as computed, values widened.
-// Measured and not kept (on the Xeon, token-major blocks): walking a block's KV heads in turn (the
-// block read as one run, each head's state kept in memory between blocks) 1.3x slower; prefetching
-// into L1, no gain. for_each_run says how far ahead it prefetches, and why.
-template <int G, int DP>
-void attend_bf16(const c10::BFloat16* q_row, float scale, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
-                 const int64_t* block_ids, int64_t begin, int64_t end, int64_t block_size, int64_t KVH, int64_t,
-                 int64_t, Partial p) {
-  constexpr int64_t D = DP * 32;
-  constexpr int DV = D / kLanes;  // float vectors a row of the weighted sum
-  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  const __m512 vscale = _mm512_set1_ps(scale);
-  for (int64_t h = 0; h < KVH; ++h) {
-    __m512bh qv[G][DP];
-    __m512 acc[G][DV], sum[G];  // sum: per lane, the exp-weights of the keys that lane scored
-    float max[G];
-    for (int g = 0; g < G; ++g) {
-      for (int i = 0; i < DP; ++i) qv[g][i] = (__m512bh)_mm512_loadu_si512(q_row + (h * G + g) * D + 32 * i);
-      for (int i = 0; i < DV; ++i) acc[g][i] = _mm512_setzero_ps();
-      sum[g] = _mm512_setzero_ps();
-      max[g] = -std::numeric_limits<float>::infinity();
-    }
-    for_each_run(k_cache, v_cache, block_ids, begin, end, block_size, KVH, h, D,
-                 [&](const c10::BFloat16* keys, const c10::BFloat16* values, int64_t n,
-                     const Ahead<c10::BFloat16>& ahead) {
-      for (int64_t t0 = 0; t0 < n; t0 += kLanes) {
-        const int m = int(std::min<int64_t>(kLanes, n - t0));  // keys in this pass; lanes past them score -inf
-        const __mmask16 valid = __mmask16((1u << m) - 1);
-        alignas(64) float weights[G][kLanes];
-        for (int g = 0; g < G; ++g) {
-          __m512 dots[kLanes];
-          for (int t = 0; t < kLanes; ++t) {
-            dots[t] = _mm512_setzero_ps();
-            if (t < m)  // rows past the context are not read: they may hold anything
-              for (int i = 0; i < DP; ++i)
-                dots[t] = _mm512_dpbf16_ps(dots[t], qv[g][i],
-                                           (__m512bh)_mm512_loadu_si512(keys + (t0 + t) * D + 32 * i));
-          }
-          const __m512 scores = _mm512_mask_blend_ps(valid, minus_inf, _mm512_mul_ps(sum_lanes16(dots), vscale));
-          // Online softmax: a new max rescales what was summed so far (by 0 the first time: max was -inf).
-          const float new_max = std::max(max[g], _mm512_reduce_max_ps(scores));
-          const float rescale = exp_nonpositive(max[g] - new_max);
-          max[g] = new_max;
-          const __m512 w = (__m512)exp_nonpositive((vfloat16)_mm512_sub_ps(scores, _mm512_set1_ps(new_max)));
-          _mm512_store_ps(weights[g], w);
-          if (rescale != 1.f) {
-            const __m512 r = _mm512_set1_ps(rescale);
-            sum[g] = _mm512_mul_ps(sum[g], r);
-            for (int i = 0; i < DV; ++i) acc[g][i] = _mm512_mul_ps(acc[g][i], r);
-          }
-          sum[g] = _mm512_add_ps(sum[g], w);
-        }
-        for (int t = 0; t < m; ++t) {
-          ahead.template row<D>(t0 + t);
-          __m512 v[DV];
-          for (int i = 0; i < DV; ++i) v[i] = widen16(values + (t0 + t) * D + kLanes * i);
-          for (int g = 0; g < G; ++g) {
-            const __m512 wt = _mm512_set1_ps(weights[g][t]);
-            for (int i = 0; i < DV; ++i) acc[g][i] = _mm512_fmadd_ps(wt, v[i], acc[g][i]);
-          }
-        }
-      }
-    });
-    for (int g = 0; g < G; ++g) {
-      p.max[h * G + g] = max[g];
-      p.sum[h * G + g] = _mm512_reduce_add_ps(sum[g]);
-      for (int i = 0; i < DV; ++i) _mm512_storeu_ps(p.acc + (h * G + g) * D + kLanes * i, acc[g][i]);
-    }
-  }
-}
-#endif
 
 template <typename T>
 using AttendFn = void (*)(const T*, float, const T*, const T*, const int64_t*, int64_t, int64_t, int64_t, int64_t,
@@ -414,15 +416,9 @@ using AttendFn = void (*)(const T*, float, const T*, const T*, const int64_t*, i
 
 // The compiled shape for G query heads per KV head and D dimensions: 1-8 heads of 64 or 128
 // dimensions (Llama, Qwen, Mistral, SmolLM and most others); any other shape, attend().
-// With bf16 caches on CPUs with AVX512-BF16, attend_bf16 instead of attend_fixed.
 template <typename T, int G>
 AttendFn<T> pick_for_group(int64_t D) {
-#if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, c10::BFloat16>)
-    return D == 64 ? &attend_bf16<G, 2> : D == 128 ? &attend_bf16<G, 4> : &attend<T>;
-  else
-#endif
-    return D == 64 ? &attend_fixed<T, G, 4> : D == 128 ? &attend_fixed<T, G, 8> : &attend<T>;
+  return D == 64 ? &attend_lanes<T, G, 64> : D == 128 ? &attend_lanes<T, G, 128> : &attend<T>;
 }
 
 template <typename T>
@@ -519,7 +515,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                   block_table.size(0) == q.size(0) && seq_lens.size(0) == q.size(0),
               "paged_decode_attention: block_table [rows, blocks] and seq_lens [rows], int64");
   const int64_t H = q.size(1), D = q.size(2), KVH = k_cache.size(1);
-  TORCH_CHECK(k_cache.size(3) == D && H % KVH == 0 && H <= kMaxHeads && D <= kMaxHeadDim &&
+  TORCH_CHECK(k_cache.size(3) == D && H % KVH == 0 && H <= kMaxHeads && D <= kMaxHeadDim && D % 2 == 0 &&
                   k_cache.size(2) <= kMaxBlockSize,
               "paged_decode_attention: unsupported shape");
   at::Tensor out = at::empty(q.sizes(), q.options());  // contiguous, whatever q's row stride
@@ -531,11 +527,13 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 }
 
 // A step's new keys and values into their slots of a layer's caches, both in one call: token t's
-// head h row to block slots[t] / block_size, head h, offset slots[t] % block_size, one memcpy of a
-// row each (k and v may be views of the QKV buffer: rows strided). What it replaces, an
-// index_put_ per cache at rows computed once a step (each element through TensorIterator's
+// head h to block slots[t] / block_size, head h, offset slots[t] % block_size, its value row with
+// one memcpy, its key in groups of 32 bits block_size groups apart (the keys' layout:
+// model/kv_layout.py) (k and v may be views of the QKV buffer: rows strided). What it replaces,
+// an index_put_ per cache at rows computed once a step (each element through TensorIterator's
 // indexing loop), took 0.31 / 0.81 / 1.91 ms a step of the default model's 30 layers at 1 / 64 /
-// 192 tokens on the 2-core Xeon, this 0.15 / 0.32 / 0.77 ms, in half the calls.
+// 192 tokens on the 2-core Xeon, this (with token-major keys, one memcpy each) 0.15 / 0.32 /
+// 0.77 ms, in half the calls.
 void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
               const at::Tensor& slots) {
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() &&
@@ -550,13 +548,14 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
                   slots.size(0) == k.size(0),
               "write_kv: slots [tokens], int64");
   const int64_t T = k.size(0), KVH = k.size(1), D = k.size(2), block_size = k_cache.size(2);
+  TORCH_CHECK(D % 2 == 0, "write_kv: an even head_dim (keys are stored in groups of 32 bits)");
   const int64_t capacity = k_cache.size(0) * block_size;
   const int64_t* slot = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(slot[t] >= 0 && slot[t] < capacity, "write_kv: slot ", slot[t], " of token ", t,
                 " outside the cache's ", capacity);
-  // Byte offsets: one function for both dtypes.
-  const int64_t es = k.element_size(), row_bytes = D * es;
+  // Byte offsets: one function for both dtypes (a key group is 4 bytes in either).
+  const int64_t es = k.element_size(), row_bytes = D * es, groups = row_bytes / 4, group_stride = block_size * 4;
   const int64_t k_token = k.stride(0) * es, k_head = k.stride(1) * es;
   const int64_t v_token = v.stride(0) * es, v_head = v.stride(1) * es;
   const char* kp = static_cast<const char*>(k.data_ptr());
@@ -568,9 +567,11 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t block = slot[t] / block_size, offset = slot[t] % block_size;
       for (int64_t h = 0; h < KVH; ++h) {
-        const int64_t row = ((block * KVH + h) * block_size + offset) * row_bytes;
-        std::memcpy(kc + row, kp + t * k_token + h * k_head, row_bytes);
-        std::memcpy(vc + row, vp + t * v_token + h * v_head, row_bytes);
+        const int64_t run = (block * KVH + h) * block_size * row_bytes;
+        const char* key = kp + t * k_token + h * k_head;
+        char* key_slot = kc + run + offset * 4;
+        for (int64_t e = 0; e < groups; ++e) std::memcpy(key_slot + e * group_stride, key + e * 4, 4);
+        std::memcpy(vc + run + offset * row_bytes, vp + t * v_token + h * v_head, row_bytes);
       }
     }
   });

@@ -115,11 +115,12 @@ constexpr bool kPairedDot = false;
 
 // score_keys for bf16 caches on CPUs with AVX512-BF16 (kPairedDot; empty elsewhere, never
 // called): qp [D / 2][G][lanes] holds the tile's queries as bf16 pairs (dimensions 2p, 2p + 1); a
-// key's pair of dimensions, read from the cache as it lies, is broadcast to every lane, and one
+// key's pair of dimensions, read from the cache as it lies (k: the first key's pair 0, a key's
+// pairs group_stride elements apart: model/kv_layout.py), is broadcast to every lane, and one
 // vdpbf16ps adds both products (exact in float32) to 16 tokens' scores: half the instructions of
 // widening the keys and multiplying float32.
 template <int G, int KT>
-inline void score_keys_bf16(const uint32_t* qp, const c10::BFloat16* k, int64_t token_stride, int64_t D, float* s) {
+inline void score_keys_bf16(const uint32_t* qp, const c10::BFloat16* k, int64_t group_stride, int64_t D, float* s) {
 #if defined(__AVX512BF16__)
   __m512 acc[KT][G];
   for (int t = 0; t < KT; ++t)
@@ -129,7 +130,7 @@ inline void score_keys_bf16(const uint32_t* qp, const c10::BFloat16* k, int64_t 
     for (int g = 0; g < G; ++g) q[g] = (__m512bh)_mm512_loadu_si512(qp + (p * G + g) * kLanes);
     for (int t = 0; t < KT; ++t) {
       int32_t pair;
-      std::memcpy(&pair, k + t * token_stride + 2 * p, sizeof pair);
+      std::memcpy(&pair, k + p * group_stride + 2 * t, sizeof pair);  // key t's pair p
       const __m512bh kp = (__m512bh)_mm512_set1_epi32(pair);
       for (int g = 0; g < G; ++g) acc[t][g] = _mm512_dpbf16_ps(acc[t][g], q[g], kp);
     }
@@ -188,24 +189,24 @@ inline void weigh_values_bf16(const float* weights, const c10::BFloat16* v, int6
 #endif
 }
 
-// The scores of a block's n keys (rows of the cache from keys on, token_stride apart) for the
-// tile's G query vectors, s[key][g][lane]: KT keys at a time, their KT x G sums in registers.
+// The scores of a block's n keys, from offset `first` of the block whose KV head's keys start at
+// `keys` (as stored: leanserve::key_offset), for the tile's G query vectors, s[key][g][lane]: KT
+// keys at a time, their KT x G sums in registers.
 template <typename T, int G>
-void score_block(const float* qt, const T* keys, int64_t token_stride, int64_t n, int64_t D, float* s) {
+void score_block(const float* qt, const T* keys, int64_t block_size, int64_t first, int64_t n, int64_t D, float* s) {
   constexpr int KT = keys_per_pass(G);
   int64_t t = 0;
   if constexpr (kPairedDot<T>) {
     const auto* qp = reinterpret_cast<const uint32_t*>(qt);
-    for (; t + KT <= n; t += KT)
-      score_keys_bf16<G, KT>(qp, keys + t * token_stride, token_stride, D, s + t * G * kLanes);
-    for (; t < n; ++t) score_keys_bf16<G, 1>(qp, keys + t * token_stride, token_stride, D, s + t * G * kLanes);
+    constexpr int64_t P = leanserve::kKeyGroup<T>;  // 2: a key's pair of dimensions
+    const int64_t group_stride = block_size * P;
+    const T* k = keys + first * P;
+    for (; t + KT <= n; t += KT) score_keys_bf16<G, KT>(qp, k + P * t, group_stride, D, s + t * G * kLanes);
+    for (; t < n; ++t) score_keys_bf16<G, 1>(qp, k + P * t, group_stride, D, s + t * G * kLanes);
   } else {
     alignas(64) float k[kKeyTile * kMaxHeadDim];
-    for (int64_t i = 0; i < n; ++i) {
-      const T* row = keys + i * token_stride;
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) k[i * D + d] = widen(row[d]);
-    }
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t d = 0; d < D; ++d) k[i * D + d] = widen(keys[leanserve::key_offset<T>(first + i, d, block_size)]);
     for (; t + KT <= n; t += KT) score_keys<G, KT>(qt, k + t * D, D, s + t * G * kLanes);
     for (; t < n; ++t) score_keys<G, 1>(qt, k + t * D, D, s + t * G * kLanes);
   }
@@ -262,7 +263,8 @@ struct Tile {
 template <typename T, int G>
 void attend_tile(Tile tile, const T* k_cache, const T* v_cache, const int64_t* block_ids, int64_t block_size,
                  int64_t KVH, int64_t D, int64_t h, int64_t first_pos, int64_t end, float scale) {
-  // A block holds each KV head's rows together: head h's keys of a block are rows D apart.
+  // A block holds each KV head's keys and values together: its value rows D apart, its keys
+  // dimension-major (model/kv_layout.py).
   const int64_t token_stride = D, head_stride = block_size * D, block_stride = KVH * head_stride;
   alignas(64) float scores[kKeyTile * G * kLanes];
   alignas(64) float rescale[G * kLanes];
@@ -277,8 +279,8 @@ void attend_tile(Tile tile, const T* k_cache, const T* v_cache, const int64_t* b
   for (int64_t start = 0; start < end;) {
     const int64_t first = start % block_size;
     const int64_t n = std::min({block_size - first, end - start, kKeyTile});
-    const int64_t base = block_ids[start / block_size] * block_stride + h * head_stride + first * token_stride;
-    score_block<T, G>(tile.qt, k_cache + base, token_stride, n, D, scores);
+    const int64_t head = block_ids[start / block_size] * block_stride + h * head_stride, base = head + first * token_stride;
+    score_block<T, G>(tile.qt, k_cache + head, block_size, first, n, D, scores);
     const bool masked = start + n - 1 > first_pos;  // keys past some lane's position: they weigh nothing there
     const vfloat minus_inf = vfloat{} - std::numeric_limits<float>::infinity();
     for (int64_t k = 0; k < n; ++k) {
@@ -380,9 +382,10 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
 // layer of the default model 1.6-2.9x SDPA's, its gather included):
 //
 // - Once a call, the context's keys and values of each KV head are packed for the micro-kernel,
-//   kKeysPerTile keys a tile: keys transposed to [D / 2][keys][2] (pairs of dimensions, the
-//   layout of a GEMM's right-hand side) and values to [keys / 2][D][2] (pairs of keys), zeros
-//   past the context. Every query tile of the chunk reads them.
+//   kKeysPerTile keys a tile: keys to [D / 2][keys][2] (pairs of dimensions, the layout of a
+//   GEMM's right-hand side, and of the cache's keys within a block: runs copied) and values to
+//   [keys / 2][D][2] (pairs of keys), zeros past the context. Every query tile of the chunk reads
+//   them.
 // - A work item is kTileTokens tokens and the G query heads that share a KV head: up to 32 G rows
 //   of queries (row i G + g: token i, head g; a multiple of 16, zeros past the chunk's end). Per
 //   key tile: S = Q K^T (rows x keys, float32) in the tile unit; each row scaled, masked past its
@@ -424,63 +427,27 @@ inline __m512 exp2_nonpositive(__m512 y) {
   return _mm512_maskz_scalef_ps(normal, p, k);
 }
 
-// rows[i] = column i of the 16 x 16 matrix of 32-bit elements the 16 registers held as rows.
-inline void transpose16(__m512i rows[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(rows[i], rows[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(rows[i], rows[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    rows[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    rows[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    rows[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    rows[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  // Each 128-bit lane now holds a 4 x 4 sub-block; gather the lanes into rows.
-  for (int i = 0; i < 4; ++i) {
-    t[i] = _mm512_shuffle_i32x4(rows[i], rows[i + 4], 0x88);
-    t[i + 4] = _mm512_shuffle_i32x4(rows[i], rows[i + 4], 0xdd);
-    t[i + 8] = _mm512_shuffle_i32x4(rows[i + 8], rows[i + 12], 0x88);
-    t[i + 12] = _mm512_shuffle_i32x4(rows[i + 8], rows[i + 12], 0xdd);
-  }
-  for (int i = 0; i < 4; ++i) {
-    rows[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
-    rows[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
-    rows[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
-    rows[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
-  }
-}
-
 // Packs keys and values [k0, k0 + count) of KV head h (count <= kKeysPerTile; the rest of the tile
-// zeros) for the micro-kernel: keys to kp [D / 2][kKeysPerTile][2] (16 keys x 16 pairs of
-// dimensions at a time, a transpose of 32-bit elements in registers), values to vp
-// [kKeysPerTile / 2][D][2] (two keys' rows interleaved, 32 dimensions at a time).
+// zeros) for the micro-kernel: keys to kp [D / 2][kKeysPerTile][2] (each block's run of a pair of
+// dimensions copied as it lies: the cache keeps its keys in that order, model/kv_layout.py),
+// values to vp [kKeysPerTile / 2][D][2] (two keys' rows interleaved, 32 dimensions at a time).
 void pack_key_tile(const c10::BFloat16* k_cache, const c10::BFloat16* v_cache, const int64_t* block_ids,
                    int64_t block_size, int64_t block_stride, int64_t head_offset, int64_t D, int64_t k0,
                    int64_t count, uint32_t* kp, uint16_t* vp) {
   const int64_t pairs = D / 2;
-  const c10::BFloat16* krow[kKeysPerTile];
   const c10::BFloat16* vrow[kKeysPerTile];
-  // Row addresses block by block (one division a tile: a 64-bit one takes tens of cycles).
+  // Block by block (one division a tile: a 64-bit one takes tens of cycles): each pair's run of
+  // the block's keys, and the value rows' addresses.
   for (int64_t t = 0, block = k0 / block_size, first = k0 % block_size; t < count; ++block, first = 0) {
-    const int64_t start = block_ids[block] * block_stride + head_offset;
-    for (int64_t i = first; i < block_size && t < count; ++i, ++t) {
-      krow[t] = k_cache + start + i * D;
-      vrow[t] = v_cache + start + i * D;
-    }
+    const int64_t start = block_ids[block] * block_stride + head_offset, n = std::min(block_size - first, count - t);
+    const auto* keys = reinterpret_cast<const uint32_t*>(k_cache + start);  // [pairs][block_size]
+    for (int64_t p = 0; p < pairs; ++p)
+      std::memcpy(kp + p * kKeysPerTile + t, keys + p * block_size + first, n * sizeof(uint32_t));
+    for (int64_t i = 0; i < n; ++i) vrow[t + i] = v_cache + start + (first + i) * D;
+    t += n;
   }
-  for (int64_t t0 = 0; t0 < kKeysPerTile; t0 += 16) {
-    for (int64_t p0 = 0; p0 < pairs; p0 += 16) {
-      const int64_t width = std::min<int64_t>(16, pairs - p0);
-      const __mmask16 lanes = __mmask16((1u << width) - 1);
-      __m512i rows[16];
-      for (int i = 0; i < 16; ++i)
-        rows[i] = t0 + i < count ? _mm512_maskz_loadu_epi32(lanes, krow[t0 + i] + 2 * p0) : _mm512_setzero_si512();
-      transpose16(rows);
-      for (int64_t p = 0; p < width; ++p) _mm512_storeu_si512(kp + (p0 + p) * kKeysPerTile + t0, rows[p]);
-    }
-  }
+  if (count < kKeysPerTile)
+    for (int64_t p = 0; p < pairs; ++p) std::memset(kp + p * kKeysPerTile + count, 0, (kKeysPerTile - count) * 4);
   // Element 2i of the result from a's i, element 2i + 1 from b's i (permutex2var's index 32 + i).
   alignas(64) int16_t order[2][32];
   for (int i = 0; i < 16; ++i)
