@@ -141,9 +141,9 @@ def decode_groups(block_table: np.ndarray, seq_lens: np.ndarray, block_size: int
 
 class GatherScratch:
     """Memory for the keys and values attention copies out of the paged cache, reused by every
-    layer (and, held by the model runner, every step): one buffer for keys, one for values,
-    grown when a step needs more (to a :func:`bucket` size, so a growing context reallocates
-    rarely), never shrunk.
+    layer (and, held by the model runner, every step): one buffer for keys, one for values (and
+    one where keys land as stored before they are put token-major), grown when a step needs more
+    (to a :func:`bucket` size, so a growing context reallocates rarely), never shrunk.
 
     Each layer used to allocate its own and free it: tens of MB per layer at long contexts (64
     rows of 1,024 tokens gather 25 MB of keys, as much of values). glibc's malloc hands memory

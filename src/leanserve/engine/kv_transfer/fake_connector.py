@@ -18,8 +18,8 @@ class FakeConnector(KVConnector):
         """``outcome`` of every load: "complete" (lands on the next poll), "fail", or "hold"
         (never lands: it times out, or the test claims and finishes it)."""
         assert outcome in OUTCOMES, outcome
-        super().__init__(config or KVTransferConfig(engine_id="fake"), KVLayout("fake", "float32", 1, 1, 1, 1, KEY_ORDER),
-                         wakeup=lambda: None)
+        super().__init__(config or KVTransferConfig(engine_id="fake"),
+                         KVLayout("fake", "float32", 1, 1, 1, 1, KEY_ORDER), wakeup=lambda: None)
         self.outcome = outcome
         self.released: list[RemotePrefill] = []  # leases this worker told a prefill worker to free
 
