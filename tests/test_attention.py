@@ -115,7 +115,8 @@ def test_decode_rows_of_mixed_lengths_attend_exactly_their_own_contexts(dtype, m
     block, offset = slots // BLOCK, slots % BLOCK  # each at its slot's offset of its block, head by head
     keys = keys_from_cache(kc)  # token-major (model/kv_layout.py)
     assert torch.equal(keys[block, :, offset], k_new) and torch.equal(vc[block, :, offset], v_new)
-    ks = [keys[torch.as_tensor(table[r, : blocks[r]])].transpose(1, 2).flatten(0, 1)[: lens[r]].float() for r in range(d)]
+    ks = [keys[torch.as_tensor(table[r, : blocks[r]])].transpose(1, 2).flatten(0, 1)[: lens[r]].float()
+          for r in range(d)]
     vs = [vc[torch.as_tensor(table[r, : blocks[r]])].transpose(1, 2).flatten(0, 1)[: lens[r]].float() for r in range(d)]
     want = dense(q.float(), ks, vs, DIM ** -0.5)
     tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)

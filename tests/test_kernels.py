@@ -26,10 +26,9 @@ def kernel():
 
 def paged_case(lens, heads, kv_heads, dim, block, dtype, seed=0):
     """q, caches (keys in the cache's order: model/kv_layout.py) and a block table whose rows'
-    blocks are scattered over the pool; the null block
-    0, every table entry past a row's context and every slot past its length hold NaN, so a
-    kernel that read them would return NaN (a value; a key read there by the bf16 path would only
-    score a lane it masks)."""
+    blocks are scattered over the pool; the null block 0, every table entry past a row's context
+    and every slot past its length hold NaN, so a kernel that read them would return NaN (a value;
+    a key read there would only score a lane the kernel masks)."""
     g = torch.Generator().manual_seed(seed)
     blocks = [-(-n // block) for n in lens]
     num_blocks = sum(blocks) + 1
@@ -52,7 +51,8 @@ def reference(q, k_cache, v_cache, table, lens, scale):
     heads, kv_heads = q.shape[1], k_cache.shape[1]
     out = []
     for r, n in enumerate(lens.tolist()):
-        k = keys_from_cache(k_cache[table[r]]).transpose(1, 2).flatten(0, 1)[:n].double().repeat_interleave(heads // kv_heads, dim=1)
+        k = keys_from_cache(k_cache[table[r]]).transpose(1, 2).flatten(0, 1)[:n].double()
+        k = k.repeat_interleave(heads // kv_heads, dim=1)
         v = v_cache[table[r]].transpose(1, 2).flatten(0, 1)[:n].double().repeat_interleave(heads // kv_heads, dim=1)
         weights = (torch.einsum("hd,nhd->hn", q[r].double(), k) * scale).softmax(-1)
         out.append(torch.einsum("hn,nhd->hd", weights, v))

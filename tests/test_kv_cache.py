@@ -37,7 +37,8 @@ def test_a_blocks_keys_lie_dimension_major_in_groups_of_32_bits(dtype, group):
     (d // P) * block_size * P + t * P + d % P, P the elements in 32 bits; the conversions invert
     each other and the view shows the order as stored."""
     blocks, kv_heads, block_size, head_dim = 3, 2, 5, 8
-    keys = torch.arange(blocks * kv_heads * block_size * head_dim).view(blocks, kv_heads, block_size, head_dim).to(dtype)
+    shape = (blocks, kv_heads, block_size, head_dim)
+    keys = torch.arange(blocks * kv_heads * block_size * head_dim).to(dtype).view(shape)  # 240 values: exact in bf16
     stored = keys_to_cache(keys)
     assert key_group(dtype) == group and stored.shape == keys.shape
     run = stored[2, 1].flatten()  # one (block, KV head): its block_size * head_dim elements as they lie

@@ -43,9 +43,9 @@ def kernel():
 
 def sequence(context, heads, kv_heads, dim, block, dtype, seed=0):
     """q for every position of a sequence of ``context`` tokens, caches holding its keys and
-    values (keys in the cache's order: model/kv_layout.py) in blocks scattered over the pool, and its block ids; the null block 0, the slots
-    past the context and two table entries past its last block hold NaN, so a kernel that read
-    them would return NaN."""
+    values (keys in the cache's order: model/kv_layout.py) in blocks scattered over the pool, and
+    its block ids; the null block 0, the slots past the context and two table entries past its
+    last block hold NaN, so a kernel that read them would return NaN."""
     g = torch.Generator().manual_seed(seed)
     blocks = -(-context // block)
     num_blocks = 2 * blocks + 3

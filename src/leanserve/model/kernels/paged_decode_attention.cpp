@@ -92,13 +92,12 @@ inline vint load_bits(const void* p, int lanes) {
   return v;
 }
 
-inline float max_lanes(vfloat v) {  // halves compared: 4 shuffles and maxima
-  v = v > __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7)
-          ? v : __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-  v = v > __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11)
-          ? v : __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-  v = v > __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13)
-          ? v : __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+inline vfloat vmax(vfloat a, vfloat b) { return a > b ? a : b; }
+
+inline float max_lanes(vfloat v) {  // halves compared: 3 shuffles and maxima, then the last two lanes
+  v = vmax(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+  v = vmax(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+  v = vmax(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
   return std::max(v[0], v[1]);
 }
 
@@ -162,9 +161,9 @@ inline void prefetch_block(const T* p, int64_t elements) {
 // Walks tokens [begin, end) of a context, whose blocks are block_ids, for KV head h: f(keys,
 // values, first, n, ahead) for each block's run of n tokens from offset `first` of its block, with
 // the head's key group 0 of the run's first token (a key's groups are block_size keys apart:
-// kv_layout.py) and its first value row (rows D apart), and Ahead, the lines f is to prefetch as it goes (Ahead::row): the head's block after
-// next, or near the end of the walk the next head's first blocks (the caller walks the heads in
-// turn over the same tokens).
+// kv_layout.py) and its first value row (rows D apart), and Ahead, the lines f is to prefetch as
+// it goes (Ahead::row): the head's block after next, or near the end of the walk the next head's
+// first blocks (the caller walks the heads in turn over the same tokens).
 //
 // Why after next, and as it goes rather than all at once: one layer of 64 rows x 1,024 tokens
 // from memory (30 layers' caches, blocks scattered; AMD EPYC, 2 threads, three interleaved
@@ -362,7 +361,8 @@ void attend_lanes(const T* q_row, float scale, const T* k_cache, const T* v_cach
           for (int g = 0; g < G; ++g) {
             vfloat sum = part[i][g][0];
             for (int j = 1; j < P; ++j) sum += part[i][g][j];
-            store(scores[g] + t0 + i * kLanes, valid ? sum : minus_inf);  // lanes past the run: keys that may hold anything
+            // Lanes past the run: keys that may hold anything, weighing nothing.
+            store(scores[g] + t0 + i * kLanes, valid ? sum : minus_inf);
           }
         }
       }
@@ -372,7 +372,7 @@ void attend_lanes(const T* q_row, float scale, const T* k_cache, const T* v_cach
 #pragma GCC unroll 8
       for (int g = 0; g < G; ++g) {
         vfloat top = load(scores[g]);
-        for (int64_t i = 1; i < passes; ++i) top = top > load(scores[g] + i * kLanes) ? top : load(scores[g] + i * kLanes);
+        for (int64_t i = 1; i < passes; ++i) top = vmax(top, load(scores[g] + i * kLanes));
         const float new_max = std::max(max[g], max_lanes(top));
         const float rescale = exp_nonpositive(max[g] - new_max);
         max[g] = new_max;

@@ -279,7 +279,8 @@ void attend_tile(Tile tile, const T* k_cache, const T* v_cache, const int64_t* b
   for (int64_t start = 0; start < end;) {
     const int64_t first = start % block_size;
     const int64_t n = std::min({block_size - first, end - start, kKeyTile});
-    const int64_t head = block_ids[start / block_size] * block_stride + h * head_stride, base = head + first * token_stride;
+    const int64_t head = block_ids[start / block_size] * block_stride + h * head_stride;
+    const int64_t base = head + first * token_stride;  // the run's first value row
     score_block<T, G>(tile.qt, k_cache + head, block_size, first, n, D, scores);
     const bool masked = start + n - 1 > first_pos;  // keys past some lane's position: they weigh nothing there
     const vfloat minus_inf = vfloat{} - std::numeric_limits<float>::infinity();
