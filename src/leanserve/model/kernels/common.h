@@ -100,6 +100,17 @@ inline int64_t key_offset(int64_t t, int64_t d, int64_t block_size) {
 typedef float vfloat16 __attribute__((vector_size(16 * sizeof(float))));
 typedef int32_t vint16 __attribute__((vector_size(16 * sizeof(int32_t))));
 
+// 16 floats from p and to p, any alignment; the lane-wise maximum.
+inline vfloat16 load(const float* p) {
+  vfloat16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store(float* p, vfloat16 v) { std::memcpy(p, &v, sizeof v); }
+
+inline vfloat16 vmax(vfloat16 a, vfloat16 b) { return a > b ? a : b; }
+
 // exp_nonpositive lane by lane (GCC vectorises no loop of the scalar one around the kernels' loads
 // and stores): the same exp_reduced times 2^k in the exponent bits; k = round(x / ln 2) by
 // truncating x / ln 2 - 1/2 (x <= 0), so |r| <= ln 2 / 2.

@@ -54,6 +54,9 @@ using leanserve::exp_nonpositive;
 using leanserve::for_dtype;
 using leanserve::kKeyGroup;
 using leanserve::key_offset;
+using leanserve::load;
+using leanserve::store;
+using leanserve::vmax;
 using leanserve::widen;
 
 // Tokens a work item attends: long contexts split into partitions so that few rows still keep
@@ -69,14 +72,6 @@ constexpr int kLanes = 16;
 using vfloat = leanserve::vfloat16;
 using vint = leanserve::vint16;
 
-inline vfloat load(const float* p) {
-  vfloat v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
-
 // The 16 lanes of 32 bits at p.
 inline vint load_bits(const void* p) {
   vint v;
@@ -91,8 +86,6 @@ inline vint load_bits(const void* p, int lanes) {
   std::memcpy(&v, p, lanes * sizeof(int32_t));
   return v;
 }
-
-inline vfloat vmax(vfloat a, vfloat b) { return a > b ? a : b; }
 
 inline float max_lanes(vfloat v) {  // halves compared: 3 shuffles and maxima, then the last two lanes
   v = vmax(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));

@@ -56,7 +56,10 @@ namespace {
 
 using leanserve::exp_nonpositive;
 using leanserve::for_dtype;
+using leanserve::load;
 using leanserve::narrow;
+using leanserve::store;
+using leanserve::vmax;
 using leanserve::widen;
 
 constexpr int kLanes = 16;  // tokens in a tile: one float vector (one AVX-512 register)
@@ -70,16 +73,6 @@ constexpr int64_t kMaxHeadDim = 256;
 // Query heads attended together over a KV head's keys: G, or where more share a KV head (e.g.
 // multi-query attention) the largest divisor of G up to this, each sub-group its own work item.
 constexpr int kMaxGroup = 8;
-
-inline vfloat load(const float* p) {
-  vfloat v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
-
-inline vfloat vmax(vfloat a, vfloat b) { return a > b ? a : b; }
 
 // Keys per pass of the score loop and value dimensions per pass of the weighted sum, for G query
 // heads per KV head: as many vector accumulators as fit in 32 registers beside the operands.
@@ -442,8 +435,15 @@ void pack_key_tile(const c10::BFloat16* k_cache, const c10::BFloat16* v_cache, c
   for (int64_t t = 0, block = k0 / block_size, first = k0 % block_size; t < count; ++block, first = 0) {
     const int64_t start = block_ids[block] * block_stride + head_offset, n = std::min(block_size - first, count - t);
     const auto* keys = reinterpret_cast<const uint32_t*>(k_cache + start);  // [pairs][block_size]
+    // 16 keys' pairs a load: with a memcpy a run (a library call per 128 bytes) one layer of a
+    // 320-token chunk against 832 tokens of context took 0.82-0.95 ms, with these 0.68-0.84 (the
+    // transpose in registers before the keys' order changed: 0.69-0.87; 3 rounds each).
     for (int64_t p = 0; p < pairs; ++p)
-      std::memcpy(kp + p * kKeysPerTile + t, keys + p * block_size + first, n * sizeof(uint32_t));
+      for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 lanes = __mmask16((1u << std::min<int64_t>(16, n - j)) - 1);
+        _mm512_mask_storeu_epi32(kp + p * kKeysPerTile + t + j, lanes,
+                                 _mm512_maskz_loadu_epi32(lanes, keys + p * block_size + first + j));
+      }
     for (int64_t i = 0; i < n; ++i) vrow[t + i] = v_cache + start + (first + i) * D;
     t += n;
   }
