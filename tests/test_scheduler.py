@@ -22,8 +22,9 @@ from hypothesis import strategies as st
 
 from leanserve.cli import _engine_config, build_parser
 from leanserve.engine.batch_state import BatchState
-from leanserve.engine.config import (AMX_PREFILL_CHUNK, CPU_BLOCK_SIZE, CPU_PREFILL_CHUNK, EngineConfig,
-                                     default_max_num_batched_tokens, runs_linear_layers_on_amx)
+from leanserve.engine.config import (AMX_PREFILL_CHUNK, CPU_BLOCK_SIZE, CPU_PREFILL_CHUNK, CPU_PREFILL_TOKENS,
+                                     EngineConfig, default_max_num_batched_tokens, default_max_prefill_tokens,
+                                     runs_linear_layers_on_amx)
 from leanserve.engine.kv_cache import BlockPool
 from leanserve.engine.params import SamplingParams
 from leanserve.engine.request import FinishReason, Request, Status
@@ -36,11 +37,13 @@ TOKEN = 7  # the "sampled" token when a test does not care which
 
 
 # ---------------------------------------------------------------------------------------- helpers
-def make_scheduler(free_blocks: int, budget: int, max_num_seqs: int = 8, prefix_caching: bool = True) -> Scheduler:
+def make_scheduler(free_blocks: int, budget: int, max_num_seqs: int = 8, prefix_caching: bool = True,
+                   prefill_budget: int | None = None) -> Scheduler:
     """A scheduler whose pool hands out exactly ``free_blocks`` blocks (block 0, the null block,
-    is never handed out). No EOS ids: requests stop on length only."""
+    is never handed out). No EOS ids: requests stop on length only. ``budget`` is every step's
+    unless ``prefill_budget`` is given for steps in which nothing decodes."""
     batch = BatchState(max_num_seqs, MAX_MODEL_LEN, BS)
-    return Scheduler(batch, BlockPool(free_blocks + 1), budget, prefix_caching)
+    return Scheduler(batch, BlockPool(free_blocks + 1), budget, prefix_caching, max_prefill_tokens=prefill_budget)
 
 
 def make_request(rid: int, prompt_len: int | None = None, *, prompt=None, max_tokens: int = 16, n: int = 1,
@@ -135,6 +138,42 @@ def test_chunked_prefill_splits_a_long_prompt_by_the_budget_while_decodes_contin
     # position 21 still fits in block 6.
     assert long_blocks == [2, 3, 5, 6, 6]
     assert len(sched.batch.output_tokens(short.slot)) == 5 and len(sched.batch.output_tokens(long.slot)) == 2
+
+
+def test_a_step_in_which_nothing_decodes_takes_the_prefill_budget():
+    sched = make_scheduler(free_blocks=30, budget=8, prefill_budget=20)
+    sched.add(make_request(1, 12, max_tokens=3))
+    sched.add(make_request(2, 12, max_tokens=3))
+    sched.add(make_request(3, 30))
+    # Nothing runs: 20 tokens (1's prompt and 8 of 2's). Then 1 decodes, so the step budget of 8
+    # holds again (1 decode row + 7 of 2's prompt), until no request decodes.
+    assert step(sched) == Plan(prefill=[(1, 0, 12), (2, 0, 8)])
+    assert step(sched) == Plan(decode=[1], prefill=[(2, 8, 4), (3, 0, 3)])
+    assert step(sched) == Plan(decode=[1, 2], prefill=[(3, 3, 6)], finished=[1])
+    assert step(sched) == Plan(decode=[2], prefill=[(3, 9, 7)], finished=[2])
+    # 3 alone, still in its prompt: nothing decodes, the rest of it (14 of 20) in one step.
+    assert step(sched) == Plan(prefill=[(3, 16, 14)])
+    assert step(sched) == Plan(decode=[3])
+
+
+def test_the_prefill_budget_defaults_per_device_and_follows_a_given_step_budget():
+    parse = build_parser().parse_args
+    config = _engine_config(parse(["serve"]))
+    assert config.max_prefill_tokens == max(CPU_PREFILL_TOKENS, config.max_num_batched_tokens) == 2048
+    # A step budget given alone bounds every step.
+    assert _engine_config(parse(["serve", "--max-num-batched-tokens", "4096"])).max_prefill_tokens == 4096
+    assert _engine_config(parse(["serve", "--max-num-batched-tokens", "256"])).max_prefill_tokens == 256
+    assert _engine_config(parse(["serve", "--max-num-batched-tokens", "256", "--max-prefill-tokens", "1024"])
+                          ).max_prefill_tokens == 1024
+    assert _engine_config(parse(["serve", "--max-prefill-tokens", "8192"])).max_prefill_tokens == 8192
+    assert _engine_config(parse(["serve", "--device", "cuda"])).max_prefill_tokens == 2048
+    assert default_max_prefill_tokens("cuda", 512) == 512
+    with pytest.raises(ValueError, match=r"max_prefill_tokens \(--max-prefill-tokens\): must be >= "
+                                         r"max_num_batched_tokens \(384\), got 100"):
+        EngineConfig(max_num_batched_tokens=384, max_prefill_tokens=100).validate()
+    # A scheduler given none (or less) keeps its step budget for every step.
+    batch = BatchState(4, MAX_MODEL_LEN, BS)
+    assert Scheduler(batch, BlockPool(9), 8).max_prefill_tokens == 8
 
 
 def test_default_budget_is_per_device_and_the_flag_overrides_it():

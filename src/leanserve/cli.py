@@ -25,6 +25,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens one step computes (decode rows + prefill chunks); default on CPU: --max-num-seqs + "
                         "128 (192), + 320 (384) where bf16 linear layers run on AMX; 2048 on a GPU")
+    p.add_argument("--max-prefill-tokens", type=int, default=None,
+                   help="tokens of a step in which no request decodes (nothing waits on its chunks); default: "
+                        "--max-num-batched-tokens where given, else 2048 on CPU and --max-num-batched-tokens elsewhere")
     p.add_argument("--block-size", type=int, default=None,
                    help="tokens a KV cache block holds; default: 32 on CPU, 16 on a GPU")
     p.add_argument("--kv-cache-memory", type=_bytes, default=None, help="bytes, e.g. 512M or 2G")
@@ -56,6 +59,7 @@ def _engine_config(a):
     return EngineConfig(model=a.model, dtype=a.dtype, device=a.device, quantization=a.quantization,
                         max_model_len=a.max_model_len,
                         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+                        max_prefill_tokens=a.max_prefill_tokens,
                         block_size=a.block_size, kv_cache_memory=a.kv_cache_memory,
                         enable_prefix_caching=a.enable_prefix_caching, seed=a.seed, max_logprobs=a.max_logprobs,
                         attention_backend=a.attention_backend, tensor_parallel_size=a.tensor_parallel_size,

@@ -45,6 +45,14 @@ BACKEND_FLAG = "distributed_executor_backend (--distributed-executor-backend)"
 #   1,024-token prompts (ITL p50 100 -> 176 ms), the prompts gain (TTFT p50 27.5 -> 13.1 s).
 CPU_PREFILL_CHUNK = 128
 AMX_PREFILL_CHUNK = 320
+# The tokens of a step with no decode row in it (--max-prefill-tokens, SGLang's name): the chunk
+# budget above protects running requests' inter-token latency, and a step where nothing decodes
+# has none to protect, so there a prompt is computed in fewer, larger chunks, which a CPU computes
+# faster per token (a 1,024-token chunk 0.24 ms a token on the 2-core Xeon with AMX, three of 354
+# tokens 0.30). Served (bench/results/xeon/prefill_budget.md): a lone 1,024-token prompt's first
+# token 0.36 -> 0.32 s at p50, output tok/s 1.03x; 1.07x at 64 x 128, where a wave's first step
+# admits 16 prompts instead of 3. 2,048: vLLM's CPU step budget.
+CPU_PREFILL_TOKENS = 2048
 # A GPU step costs about the same up to thousands of tokens: vLLM's API-server default there.
 ACCELERATOR_BATCHED_TOKENS = 2048
 
@@ -79,6 +87,12 @@ def default_max_num_batched_tokens(device: str, max_num_seqs: int, amx_linear_la
     return max(ACCELERATOR_BATCHED_TOKENS, max_num_seqs)
 
 
+def default_max_prefill_tokens(device: str, max_num_batched_tokens: int) -> int:
+    """The tokens of a step with no decode row unless set: CPU_PREFILL_TOKENS on a CPU (or the
+    step budget where that is more), elsewhere the step budget."""
+    return max(CPU_PREFILL_TOKENS, max_num_batched_tokens) if device.startswith("cpu") else max_num_batched_tokens
+
+
 def runs_linear_layers_on_amx(device: str, dtype: str, quantization: str) -> bool:
     """Whether a step's linear layers will run in AMX's tiles: bf16 weights (int8 and int4 have
     kernels of their own, without AMX) on a CPU whose AMX torch's oneDNN may use."""
@@ -95,6 +109,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's context length
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None  # None: default_max_num_batched_tokens(device, max_num_seqs)
+    # Tokens of a step in which no request decodes; None: max_num_batched_tokens where that is
+    # given, else default_max_prefill_tokens(device, ...)
+    max_prefill_tokens: int | None = None
     block_size: int | None = None  # None: default_block_size(device)
     kv_cache_memory: int | None = None  # bytes; None: kv_cache_fraction of available memory
     kv_cache_fraction: float = 0.1
@@ -115,14 +132,22 @@ class EngineConfig:
     def __post_init__(self):
         if self.block_size is None:
             self.block_size = default_block_size(self.device)
-        if self.max_num_batched_tokens is None:
+        budget_given = self.max_num_batched_tokens is not None
+        if not budget_given:
             self.max_num_batched_tokens = default_max_num_batched_tokens(
                 self.device, self.max_num_seqs, runs_linear_layers_on_amx(self.device, self.dtype, self.quantization))
+        if self.max_prefill_tokens is None:
+            # A step budget given alone bounds every step, as it did before this one existed.
+            self.max_prefill_tokens = self.max_num_batched_tokens if budget_given else \
+                default_max_prefill_tokens(self.device, self.max_num_batched_tokens)
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_new_requests_per_step"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.max_prefill_tokens < self.max_num_batched_tokens:
+            raise ValueError(f"max_prefill_tokens (--max-prefill-tokens): must be >= max_num_batched_tokens "
+                             f"({self.max_num_batched_tokens}), got {self.max_prefill_tokens}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len: must be >= 2, got {self.max_model_len}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:

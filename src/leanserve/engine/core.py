@@ -117,7 +117,7 @@ class EngineCore:
         self.connector = None if config.kv_transfer is None else \
             make_connector(config.kv_transfer, self.kv, self.model, config.block_size, self.wakeup.set)
         self.scheduler = Scheduler(self.batch, self.kv.pool, config.max_num_batched_tokens,
-                                   config.enable_prefix_caching, self.connector)
+                                   config.enable_prefix_caching, self.connector, config.max_prefill_tokens)
         bitmask = GrammarBitmask.for_device(config.device, config.max_num_seqs, self.vocab_size, config.threads)
         self.runner = (ModelRunner(self.model, self.kv, config.device, config.seed, grammar_bitmask=bitmask,
                                    attention_backend=config.attention_backend)

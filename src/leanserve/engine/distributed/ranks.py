@@ -50,7 +50,7 @@ class Ranks:
         threads = rank_threads(engine.threads, engine.device, size)
         model_cfg = read_model_config(config.model)
         max_len = engine.max_model_len or model_cfg.max_position_embeddings
-        words = step_codec.max_words(engine.max_num_seqs, engine.max_num_batched_tokens,
+        words = step_codec.max_words(engine.max_num_seqs, engine.max_prefill_tokens,
                                      blocks_needed(max_len, engine.block_size))
         try:
             local = self.backend.place(size, threads)

@@ -49,9 +49,10 @@ def decode(msg: np.ndarray) -> ModelInput:
                       sampling=None, prompt_logprob_rows=prompt_logprob_rows)
 
 
-def max_words(max_num_seqs: int, max_num_batched_tokens: int, max_blocks: int) -> int:
+def max_words(max_num_seqs: int, max_step_tokens: int, max_blocks: int) -> int:
     """The longest message a config can produce: every token row in three arrays (and once more
     as a prompt-logprob target), a full decode block table and, for each sequence, a prefill
-    chunk with every block."""
-    t, s = max_num_batched_tokens + max_num_seqs, max_num_seqs
+    chunk with every block. ``max_step_tokens``: the most a step computes (the engine's
+    ``max_prefill_tokens``, never below its chunk budget)."""
+    t, s = max_step_tokens + max_num_seqs, max_num_seqs
     return HEADER + 4 * t + s * (max_blocks + 1) + t + s * (4 + max_blocks) + s * 4
