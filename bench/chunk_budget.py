@@ -78,7 +78,8 @@ def step_probe(a) -> list[dict]:
 
         for i in range(DECODE_ROWS):
             core.add_request(i, prompt(), SamplingParams(temperature=0.0, max_tokens=2048, ignore_eos=True))
-        core.scheduler.max_num_batched_tokens = 8192  # reach the steady state quickly
+        # reach the steady state quickly (steps where nothing decodes yet take the prefill budget)
+        core.scheduler.max_num_batched_tokens = core.scheduler.max_prefill_tokens = 8192
         while step()[1] or core.scheduler.waiting:  # until every prompt is in and a step only decodes
             pass
         next_id = DECODE_ROWS

@@ -16,7 +16,8 @@ client shares the two cores. What is measured, greedy, EOS ignored, random token
   each engine's own schedule (leanserve's prompts then share their steps with decode rows, in
   its smaller chunks: what that costs is in this number too);
 - `wave 64 x 1,024 x 128`: the grid's point, output tok/s;
-- kernels at the default model's shapes, 2 threads, each result dropped as it is made: its 120 GEMMs of a step at M rows (30
+- kernels at the default model's shapes, a thread per core this process may use, each result
+  dropped as it is made: its 120 GEMMs of a step at M rows (30
   layers' weights, so they come from memory), one layer of decode attention of 64 rows of 1,024
   tokens (30 layers' caches, blocks scattered), one layer of prefill attention (a 354-token
   chunk after 670 tokens, a 1,024-token prompt). leanserve: its kernels over its packed weights
@@ -24,9 +25,10 @@ client shares the two cores. What is measured, greedy, EOS ignored, random token
   weights packed by `create_onednn_mm`, `cpu_attention_with_kv_cache` over its cache (128-token
   blocks, each KV head's keys then values).
 
-Defaults on both sides: leanserve's chunk budget (384 on a CPU with AMX, 2,048 where nothing
-decodes), vLLM's 2,048 tokens a step; 64 sequences; vLLM serves a bf16 copy of the default GGUF
-model (bench/compare.py says why).
+Each engine as it serves by default: leanserve's chunk budget (384 on a CPU with AMX; 2,048 in a
+step where nothing decodes), vLLM's API server's 2,048 tokens a step (set here: its offline class
+would take 4,096); 64 sequences; vLLM runs a bf16 copy of the default GGUF model
+(bench/compare.py says why). The two waves behind `32 tokens more a request` are one run each.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = ROOT / "bench/.peers"
 VLLM_MODEL = PEERS / "SmolLM2-135M-Instruct.Q4_1-bf16"
+LOGS = PEERS  # the workers' stderr (git-ignored, beside the peers' server logs)
 D, KV_HEADS, HEADS, LAYERS = 64, 3, 9, 30  # the default model's attention
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (in, out) of a layer's GEMMs
 GEMM_ROWS = (64, 354, 1024)
@@ -79,7 +82,7 @@ class Leanserve:
         from leanserve.model.kv_layout import keys_to_cache
         from leanserve.model.prepack import _pairs
 
-        self.np, self.torch, self.kernels, self.keys_to_cache, self.pairs = np, torch, kernels, keys_to_cache, _pairs
+        self.torch, self.kernels, self.keys_to_cache, self.pairs = torch, kernels, keys_to_cache, _pairs
         self.rng = np.random.default_rng(0)
         if kernels_only:
             return
@@ -109,7 +112,7 @@ class Leanserve:
         table = (torch.randperm(blocks) + 1).view(rows, per_row)
         lens, q, op = torch.full((rows,), context), torch.randn(rows, HEADS, D).bfloat16(), \
             self.kernels.paged_decode_attention()
-        return best_of(lambda: [op(q, k, v, table, lens, D ** -0.5) for k, v in caches], 3) / LAYERS
+        return best_of(lambda: each(lambda k, v: op(q, k, v, table, lens, D ** -0.5), caches), 3) / LAYERS
 
     def prefill_attention(self, n: int, start: int) -> float:
         torch, bs = self.torch, 32
@@ -131,7 +134,7 @@ class Vllm:
         import vllm._custom_ops as ops
         import vllm_server  # noqa: F401  (its environment, and the version shim vLLM's CPU build needs)
 
-        self.np, self.torch, self.ops = np, torch, ops
+        self.torch, self.ops = torch, ops
         self.rng = np.random.default_rng(0)
         if kernels_only:
             torch._C._cpu._init_amx()  # the tile unit's permission for this process, as vLLM's worker asks
@@ -140,7 +143,10 @@ class Vllm:
         from vllm.inputs import TokensPrompt
 
         self.TokensPrompt, self.SamplingParams = TokensPrompt, SamplingParams
-        self.llm = LLM(str(VLLM_MODEL), dtype="bfloat16", max_model_len=2048, max_num_seqs=64)
+        # 2,048 tokens a step, as its API server (bench/compare.py's peer) takes them: the offline
+        # class's own default on a CPU is 4,096.
+        self.llm = LLM(str(VLLM_MODEL), dtype="bfloat16", max_model_len=2048, max_num_seqs=64,
+                       max_num_batched_tokens=2048)
         self.generate([64, 64], 4)
 
     def generate(self, lengths: list[int], max_tokens: int) -> None:
@@ -174,7 +180,7 @@ class Vllm:
         per_row = context // bs
         blocks = rows * per_row
         caches = [torch.randn(blocks + 1, KV_HEADS, 2 * bs, D).bfloat16() for _ in range(LAYERS)]
-        table = (torch.randperm(blocks) + 1)[: rows * per_row].view(rows, per_row).int()
+        table = (torch.randperm(blocks) + 1).view(rows, per_row).int()
         seq, qsl = torch.full((rows,), context, dtype=torch.int32), torch.arange(rows + 1, dtype=torch.int32)
         return best_of(self._attend(caches, table, seq, qsl, torch.randn(rows, HEADS, D).bfloat16()), 3) / LAYERS
 
@@ -238,12 +244,26 @@ def start(name: str, kernels_only: bool = False) -> subprocess.Popen:
         tcmalloc = ctypes.util.find_library("tcmalloc_minimal") or ctypes.util.find_library("tcmalloc")
         if tcmalloc:  # as bench/peers/vllm_server.py preloads it
             env["LD_PRELOAD"] = tcmalloc
+    log = LOGS / f"phases-{name}{'-kernels' if kernels_only else ''}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
-                            stderr=subprocess.DEVNULL)
-    for line in proc.stdout:
-        if line.startswith("READY"):
-            return proc
-    raise RuntimeError(f"{name}'s worker ended before it was ready")
+                            stderr=log.open("w"))
+    if reply(proc, "READY") is None:
+        raise RuntimeError(f"{name}'s worker ended before it was ready (its output: {log})")
+    return proc
+
+
+def reply(proc: subprocess.Popen, tag: str) -> str | None:
+    """The rest of the worker's next line starting with tag; None where it ends first."""
+    line = next((ln for ln in proc.stdout if ln.startswith(tag)), None)
+    return None if line is None else line[len(tag):].strip()
+
+
+def result(proc: subprocess.Popen, name: str) -> dict:
+    text = reply(proc, "RESULT")
+    if text is None:
+        raise RuntimeError(f"{name}'s worker ended without a result (its output: {LOGS})")
+    return json.loads(text)
 
 
 def main(argv=None) -> None:
@@ -267,9 +287,9 @@ def main(argv=None) -> None:
                 p = procs[name]
                 p.stdin.write("go\n")
                 p.stdin.flush()
-                phases = json.loads(next(ln for ln in p.stdout if ln.startswith("RESULT"))[len("RESULT "):])
+                phases = result(p, name)
                 k = start(name, kernels_only=True)
-                kernels = json.loads(next(ln for ln in k.stdout if ln.startswith("RESULT"))[len("RESULT "):])
+                kernels = result(k, name)
                 k.wait(timeout=120)
                 rounds.append({"engine": name, "round": r, "started": started, **phases, **kernels})
                 print(f"round {r} {name}: " + ", ".join(f"{k} {v:.3g}" for k, v in rounds[-1].items()

@@ -156,6 +156,19 @@ def test_a_step_in_which_nothing_decodes_takes_the_prefill_budget():
     assert step(sched) == Plan(decode=[3])
 
 
+def test_a_prompt_with_one_token_left_is_a_decode_row_and_keeps_the_step_budget():
+    """What "decoding" means to the budget: a request granted exactly its one remaining token (a
+    decode row), whether that token was sampled or is its prompt's last."""
+    sched = make_scheduler(free_blocks=30, budget=4, prefill_budget=12)
+    sched.add(make_request(1, 13, max_tokens=2))
+    sched.add(make_request(2, 20))
+    assert step(sched) == Plan(prefill=[(1, 0, 12)])  # nothing decodes: 12 of 13
+    # 1's last prompt token is a decode row: the step budget of 4 holds (and 2 gets 3 of it).
+    assert step(sched) == Plan(decode=[1], prefill=[(2, 0, 3)])
+    assert step(sched) == Plan(decode=[1], prefill=[(2, 3, 3)], finished=[1])
+    assert step(sched) == Plan(prefill=[(2, 6, 12)])  # nobody decodes again
+
+
 def test_the_prefill_budget_defaults_per_device_and_follows_a_given_step_budget():
     parse = build_parser().parse_args
     config = _engine_config(parse(["serve"]))
@@ -589,7 +602,9 @@ def schedule_by_walk(sched: Scheduler) -> ScheduledBatch:
     """Scheduler.schedule with its running requests always planned by the general walk
     (_plan_with_preemption), which the real schedule() only uses when blocks run short, then
     schedule()'s own tail."""
-    budget = sched.max_num_batched_tokens
+    b, slots = sched.batch, sched._slots()
+    decoding = (b.num_tokens[slots] - b.num_computed[slots] == 1).any()
+    budget = sched.max_num_batched_tokens if decoding else sched.max_prefill_tokens
     granted, preempted = sched._plan_with_preemption(budget)
     return sched._schedule_from_plan(sched._slots(), granted, budget, preempted)
 
@@ -637,10 +652,11 @@ def test_shortcut_plans_schedule_exactly_as_the_general_walk_when_nothing_is_pre
     @given(st.data())
     def check(data):
         free_blocks = data.draw(st.integers(3, 20), "free blocks")
-        sched = make_scheduler(free_blocks=free_blocks,
-                               budget=data.draw(st.integers(1, 16), "budget"),
+        budget = data.draw(st.integers(1, 16), "budget")
+        sched = make_scheduler(free_blocks=free_blocks, budget=budget,
                                max_num_seqs=data.draw(st.integers(1, 6), "max_num_seqs"),
-                               prefix_caching=data.draw(st.booleans(), "prefix caching"))
+                               prefix_caching=data.draw(st.booleans(), "prefix caching"),
+                               prefill_budget=budget + data.draw(st.integers(0, 16), "prefill budget above it"))
         # (arrival step, prompt length, max_tokens, prompt family, n): prompts of one family share
         # their prefix, so prefix hits happen.
         arrivals = data.draw(st.lists(st.tuples(st.integers(0, 10), st.integers(1, 24), st.integers(1, 12),

@@ -23,11 +23,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="tokens one step computes (decode rows + prefill chunks); default on CPU: --max-num-seqs + "
-                        "128 (192), + 320 (384) where bf16 linear layers run on AMX; 2048 on a GPU")
+                   help="tokens of a step in which some request decodes (decode rows + prefill chunks); default on "
+                        "CPU: --max-num-seqs + 128 (192), + 320 (384) where bf16 linear layers run on AMX; 2048 on a "
+                        "GPU")
     p.add_argument("--max-prefill-tokens", type=int, default=None,
-                   help="tokens of a step in which no request decodes (nothing waits on its chunks); default: "
-                        "--max-num-batched-tokens where given, else 2048 on CPU and --max-num-batched-tokens elsewhere")
+                   help="tokens of a step in which no request decodes; default: --max-num-batched-tokens where "
+                        "given, else on CPU 2048 (or --max-num-batched-tokens where more), elsewhere "
+                        "--max-num-batched-tokens")
     p.add_argument("--block-size", type=int, default=None,
                    help="tokens a KV cache block holds; default: 32 on CPU, 16 on a GPU")
     p.add_argument("--kv-cache-memory", type=_bytes, default=None, help="bytes, e.g. 512M or 2G")

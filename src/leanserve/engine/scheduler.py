@@ -3,8 +3,8 @@
 There are no prefill and decode phases. Each request has ``num_tokens`` (prompt + output so far)
 and ``num_computed``; this iteration gives it ``min(num_tokens - num_computed, budget left)``
 tokens. Chunked prefill, prefix-cache hits, resumption after preemption and decoding all follow
-that one rule. The budget is ``max_num_batched_tokens``, or ``max_prefill_tokens`` in a step in
-which no running request decodes (nobody's next token waits on its chunks). Running requests go first (so long prompts never starve decodes); waiting ones
+that one rule. The budget is ``max_num_batched_tokens``, or ``max_prefill_tokens`` in a step
+in which no running request decodes (no decode row waits on its chunks). Running requests go first (so long prompts never starve decodes); waiting ones
 are admitted only if nothing was preempted this iteration.
 
 ``schedule`` plans the running requests one of three ways, all giving each request
@@ -102,8 +102,8 @@ class Scheduler:
         self.pool = pool
         self.block_size = batch.block_size
         self.max_num_batched_tokens = max_num_batched_tokens
-        # A step's budget where no running request decodes (none: the same): nobody's next
-        # token waits on its chunks (engine/config.py's CPU_PREFILL_TOKENS says what it buys).
+        # A step's budget where no running request decodes (none, or less: the same): no decode
+        # row waits on its chunks (engine/config.py's CPU_PREFILL_TOKENS says what it buys).
         self.max_prefill_tokens = max(max_prefill_tokens or 0, max_num_batched_tokens)
         self.enable_prefix_caching = enable_prefix_caching
         self.connector = connector
