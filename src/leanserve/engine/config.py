@@ -49,9 +49,10 @@ AMX_PREFILL_CHUNK = 320
 # budget above protects running requests' inter-token latency, and a step where nothing decodes
 # has none to protect, so there a prompt is computed in fewer, larger chunks, which a CPU computes
 # faster per token (a 1,024-token chunk 0.24 ms a token on the 2-core Xeon with AMX, in three
-# steps of 316-354 tokens 0.30). What arrives during such a step waits for it (~0.55 s there). Served (bench/results/xeon/prefill_budget.md): a lone 1,024-token prompt's first
-# token 0.36 -> 0.32 s at p50, output tok/s 1.03x; 1.07x at 64 x 128, where a wave's first step
-# admits 16 prompts instead of 3. 2,048: vLLM's CPU step budget.
+# steps of 316-354 tokens 0.30). What arrives during such a step waits for it (~0.55 s there).
+# Served (bench/results/xeon/prefill_budget.md): a lone 1,024-token prompt's first token 0.36 ->
+# 0.32 s at p50, output tok/s 1.03x; 1.07x at 64 x 128, where a wave's first step admits 16
+# prompts instead of 3. 2,048: vLLM's CPU step budget.
 CPU_PREFILL_TOKENS = 2048
 # A GPU step costs about the same up to thousands of tokens: vLLM's API-server default there.
 ACCELERATOR_BATCHED_TOKENS = 2048

@@ -4,8 +4,9 @@ There are no prefill and decode phases. Each request has ``num_tokens`` (prompt 
 and ``num_computed``; this iteration gives it ``min(num_tokens - num_computed, budget left)``
 tokens. Chunked prefill, prefix-cache hits, resumption after preemption and decoding all follow
 that one rule. The budget is ``max_num_batched_tokens``, or ``max_prefill_tokens`` in a step
-in which no running request decodes (no decode row waits on its chunks). Running requests go first (so long prompts never starve decodes); waiting ones
-are admitted only if nothing was preempted this iteration.
+in which no running request decodes (no decode row waits on its chunks). Running requests go
+first (so long prompts never starve decodes); waiting ones are admitted only if nothing was
+preempted this iteration.
 
 ``schedule`` plans the running requests one of three ways, all giving each request
 ``min(remaining, budget left)`` tokens in order: the steady state (every request decodes one
@@ -188,12 +189,11 @@ class Scheduler:
         if self.connector is not None:
             self._land_transfers()
         slots = self._slots()
-        b = self.batch
-        decoding = bool((b.num_tokens[slots] - b.num_computed[slots] == 1).any())
-        budget = self.max_num_batched_tokens if decoding else self.max_prefill_tokens
-        if self._steady_state(slots, budget):
+        remaining = self.batch.num_tokens[slots] - self.batch.num_computed[slots]
+        budget = self.max_num_batched_tokens if (remaining == 1).any() else self.max_prefill_tokens
+        if self._steady_state(slots, remaining, budget):
             return self._schedule_from_plan(slots, None, budget, [])
-        granted, preempted = self._plan_vectorised(slots, budget), []
+        granted, preempted = self._plan_vectorised(slots, remaining, budget), []
         if granted is None:
             granted, preempted = self._plan_with_preemption(budget)
             slots = self._slots()
@@ -204,27 +204,24 @@ class Scheduler:
             self._running_slots = np.fromiter((r.slot for r in self.running), np.int64, len(self.running))
         return self._running_slots
 
-    def _steady_state(self, slots: np.ndarray, budget: int) -> bool:
-        """Whether every running request decodes its one newest token and the blocks they open
-        are free; if so, those blocks are allocated (one token each is then the plan)."""
+    def _steady_state(self, slots: np.ndarray, remaining: np.ndarray, budget: int) -> bool:
+        """Whether every running request (``remaining`` tokens each) decodes its one newest token
+        and the blocks they open are free; if so, those blocks are allocated (one token each is
+        then the plan)."""
         b = self.batch
-        if not len(slots) or len(slots) > budget:
+        if not len(slots) or len(slots) > budget or not (remaining == 1).all():
             return False
-        computed = b.num_computed[slots]
-        if not (b.num_tokens[slots] - computed == 1).all():
-            return False
-        opening = slots[b.num_blocks[slots] * self.block_size == computed]
+        opening = slots[b.num_blocks[slots] * self.block_size == b.num_computed[slots]]
         if len(opening) > self.pool.num_free:
             return False
         for s in opening:
             self._grow(s, 1)
         return True
 
-    def _plan_vectorised(self, slots: np.ndarray, budget: int) -> np.ndarray | None:
+    def _plan_vectorised(self, slots: np.ndarray, remaining: np.ndarray, budget: int) -> np.ndarray | None:
         """Running requests in order take ``min(remaining, budget left)`` tokens each. None when
         the blocks for that do not all fit (the walk then decides whom to preempt)."""
         b = self.batch
-        remaining = b.num_tokens[slots] - b.num_computed[slots]
         before = np.cumsum(remaining) - remaining
         granted = np.clip(budget - before, 0, remaining)
         need = np.maximum(blocks_needed(b.num_computed[slots] + granted, self.block_size) - b.num_blocks[slots], 0)
